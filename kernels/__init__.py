@@ -1,0 +1,1 @@
+"""Attention kernels: bifurcated (shared-prefix) attention and the standard expanded-KV baseline."""

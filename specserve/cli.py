@@ -1,0 +1,37 @@
+"""The ``specserve`` command line: serve, generate, demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Sub-commands and the module that implements each; a module exposes add_arguments(parser) and run(args).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("specserve.serve", "run a draft, target or coordinator gRPC server"),
+    "generate": ("specserve.generate", "ask a coordinator for n completions of a prompt"),
+    "demo": ("specserve.demo", "start the three services on loopback and run a multi-sample generation"),
+    "bench": ("specserve.bench", "benchmarks: attention, decode, e2e, load"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser; tests parse deployment commands with it."""
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        command_parser = sub.add_parser(name, help=help_text, description=module.__doc__)
+        module.add_arguments(command_parser)
+        command_parser.set_defaults(handler=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
