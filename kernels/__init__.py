@@ -1,1 +1,33 @@
 """Attention kernels: bifurcated (shared-prefix) attention and the standard expanded-KV baseline."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+
+# backend name -> (module, function); the Triton module is imported lazily (importing triton on a CPU-only
+# machine is harmless, but its kernels need TRITON_INTERPRET=1 set before the import to run on CPU).
+ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
+    "torch": ("kernels.bifurcated", "bifurcated_attention"),
+    "triton": ("kernels.bifurcated_triton", "bifurcated_attention_triton"),
+}
+
+
+def default_backend() -> str:
+    """The default bifurcated-attention backend: "triton" when CUDA is available, else "torch"."""
+    return "triton" if torch.cuda.is_available() else "torch"
+
+
+def get_bifurcated_attention(backend: str | None = None) -> Callable[..., torch.Tensor]:
+    """Return the bifurcated-attention function of ``backend`` ("torch" or "triton"; None/"auto": default).
+
+    Every backend has the signature of :func:`kernels.bifurcated.bifurcated_attention` and the same
+    result up to floating-point rounding. Raises ``ValueError`` for an unknown backend name.
+    """
+    name = default_backend() if backend in (None, "", "auto") else backend
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {sorted(ATTENTION_BACKENDS)}")
+    module_name, attr = ATTENTION_BACKENDS[name]
+    return getattr(importlib.import_module(module_name), attr)

@@ -35,3 +35,40 @@ def standard_attention(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
+
+
+def expand_bifurcated_kv(
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    prefix_offsets: list[int],
+    group_offsets: list[int],
+    decode_k: torch.Tensor,
+    decode_v: torch.Tensor,
+    decode_base: torch.Tensor,
+    decode_lens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Build the expanded (per-row) KV layout equivalent to a bifurcated one, for tests and benchmarks.
+
+    Row ``b`` of group ``g`` gets ``concat(prefix of g, decode_k[b])``: keys ``[0, P_g)`` are a copy of the
+    group's prefix and keys ``[P_g, P_g + C)`` its decode cache, in a cache of capacity ``max(P_g) + C``.
+    Returns ``(k, v, base, lens)`` with ``base = P_g + decode_base`` and ``lens = P_g + decode_lens``, so
+    that ``standard_attention(q, k, v, base, lens, scale)`` equals bifurcated attention. The prefix is
+    copied n-fold (that is the layout being measured against).
+    """
+    batch, hkv, cap, dim = decode_k.shape
+    groups = len(group_offsets) - 1
+    plens = [prefix_offsets[g + 1] - prefix_offsets[g] for g in range(groups)]
+    total = max(plens) + cap
+    k = decode_k.new_zeros(batch, hkv, total, dim)
+    v = decode_v.new_zeros(batch, hkv, total, dim)
+    row_plen = torch.empty(batch, dtype=torch.int64, device=decode_base.device)
+    for g in range(groups):
+        lo, hi = group_offsets[g], group_offsets[g + 1]
+        plo, phi = prefix_offsets[g], prefix_offsets[g + 1]
+        plen = phi - plo
+        k[lo:hi, :, :plen] = prefix_k[:, plo:phi].unsqueeze(0)
+        v[lo:hi, :, :plen] = prefix_v[:, plo:phi].unsqueeze(0)
+        k[lo:hi, :, plen : plen + cap] = decode_k[lo:hi]
+        v[lo:hi, :, plen : plen + cap] = decode_v[lo:hi]
+        row_plen[lo:hi] = plen
+    return k, v, row_plen + decode_base.to(torch.int64), row_plen + decode_lens.to(torch.int64)

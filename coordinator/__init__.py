@@ -1,0 +1,1 @@
+"""The coordinator: the public Generate API, continuous batching and the speculative round loop."""

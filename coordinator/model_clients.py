@@ -1,0 +1,78 @@
+"""Async connections from the coordinator to the draft and target services."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specserve.grpc_server import CHANNEL_OPTIONS
+from specserve.tls import TLSFiles
+from specserve.v1 import model_pb2, model_pb2_grpc
+
+
+class IncompatibleModels(RuntimeError):
+    """The draft and target cannot be paired (different tokenizers or vocabularies)."""
+
+
+@dataclass
+class ModelEndpoint:
+    """A model service: its address, stub and the ModelInfo it reported."""
+
+    address: str
+    role: str
+    channel: grpc.aio.Channel
+    stub: Any
+    info: model_pb2.ModelInfo
+
+    async def close(self) -> None:
+        """Close the channel."""
+        await self.channel.close()
+
+
+def open_aio_channel(address: str, tls: TLSFiles) -> grpc.aio.Channel:
+    """An asyncio channel with specserve's message limits (TLS when configured)."""
+    if tls.enabled:
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+async def connect(address: str, role: str, tls: TLSFiles, wait_s: float) -> ModelEndpoint:
+    """Wait (up to ``wait_s``) until the service reports SERVING, then fetch its ModelInfo.
+
+    Raises TimeoutError naming the address when the service is not ready in time.
+    """
+    channel = open_aio_channel(address, tls)
+    stub_class = model_pb2_grpc.DraftModelStub if role == "draft" else model_pb2_grpc.TargetModelStub
+    service = "specserve.v1.DraftModel" if role == "draft" else "specserve.v1.TargetModel"
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + wait_s
+    last_error = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                stub = stub_class(channel)
+                info = await stub.Info(model_pb2.InfoRequest(), timeout=10.0)
+                return ModelEndpoint(address, role, channel, stub, info)
+            last_error = "NOT_SERVING (model loading)"
+        except grpc.aio.AioRpcError as error:
+            last_error = f"{error.code().name}: {error.details()}"
+        await asyncio.sleep(0.25)
+    await channel.close()
+    raise TimeoutError(f"{role} service at {address} not ready after {wait_s:.0f}s ({last_error})")
+
+
+def check_compatible(draft: model_pb2.ModelInfo, target: model_pb2.ModelInfo) -> None:
+    """Raise IncompatibleModels unless draft and target share one tokenizer vocabulary."""
+    if draft.vocab_size != target.vocab_size or draft.vocab_fingerprint != target.vocab_fingerprint:
+        raise IncompatibleModels(
+            f"draft {draft.model_name!r} and target {target.model_name!r} do not share a tokenizer "
+            f"(vocab sizes {draft.vocab_size} vs {target.vocab_size}, fingerprints "
+            f"{draft.vocab_fingerprint} vs {target.vocab_fingerprint}); pick a draft trained with the "
+            "target's tokenizer"
+        )

@@ -1,0 +1,1 @@
+"""The draft-model gRPC service: proposes k tokens per sequence each round."""

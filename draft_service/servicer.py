@@ -1,0 +1,40 @@
+"""specserve.v1.DraftModel over a DraftRuntime."""
+
+from __future__ import annotations
+
+import grpc
+
+from engine.draft import DraftRuntime
+from specserve.grpc_server import grpc_errors
+from specserve.model_service import ModelServicer
+from specserve.v1 import model_pb2, model_pb2_grpc
+
+SERVICE_NAME = "specserve.v1.DraftModel"
+
+
+class DraftServicer(ModelServicer, model_pb2_grpc.DraftModelServicer):
+    """Propose on top of the shared Info/Prefill/Release."""
+
+    @grpc_errors
+    def Propose(self, request: model_pb2.ProposeRequest, context: grpc.ServicerContext  # noqa: N802
+                ) -> model_pb2.ProposeResponse:
+        runtime: DraftRuntime = self._ready(context)
+        updates = {u.sequence_id: (u.accepted_len, u.next_token_id) for u in request.updates}
+        proposals = runtime.propose(request.batch_id, updates, request.draft_len, request.release_sequence_ids)
+        return model_pb2.ProposeResponse(
+            proposals=[
+                model_pb2.Proposal(
+                    sequence_id=p.sequence_id, token_ids=p.token_ids,
+                    distributions=[model_pb2.DraftDistribution(token_ids=d.token_ids.tolist(),
+                                                               probs_fp16=d.probs_fp16)
+                                   for d in p.distributions],
+                )
+                for p in proposals
+            ],
+            kv_bytes=runtime.kv_bytes_in_use(),
+        )
+
+
+def add_to_server(servicer: DraftServicer, server: grpc.Server) -> None:
+    """Register the DraftModel service."""
+    model_pb2_grpc.add_DraftModelServicer_to_server(servicer, server)

@@ -1,0 +1,1 @@
+"""Model runtime shared by the draft and target services."""

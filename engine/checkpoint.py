@@ -1,0 +1,110 @@
+"""Loading Hugging Face causal-LM checkpoints of the Llama family from a local directory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+# Decoders whose layers are (input norm, q/k/v/o attention with RoPE, post norm, MLP): the runtime
+# drives their modules directly.
+SUPPORTED_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A model directory that specserve cannot serve; the message says why and what to do."""
+
+
+@dataclass
+class Checkpoint:
+    """A loaded model, its tokenizer (None when the directory has none) and where it came from."""
+
+    path: Path
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+
+    @property
+    def name(self) -> str:
+        """The checkpoint's name: its directory name (or `_name_or_path` when that is set)."""
+        return self.path.name
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output embedding, i.e. the ids the model can emit."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence (prompt + generated) served exactly like HF transformers does."""
+        config = self.model.config
+        limit = int(config.max_position_embeddings)
+        window = getattr(config, "sliding_window", None)
+        if window and getattr(config, "use_sliding_window", True):
+            limit = min(limit, int(window))
+        return limit
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids from the generation config, the model config and the tokenizer."""
+        ids: set[int] = set()
+        for source in (self.model.generation_config, self.model.config):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(int(v) for v in value)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return sorted(ids)
+
+    def tokenizer_json(self) -> str:
+        """The tokenizer.json text of the checkpoint ('' when there is none)."""
+        path = self.path / "tokenizer.json"
+        return path.read_text(encoding="utf-8") if path.is_file() else ""
+
+    def vocab_fingerprint(self) -> str:
+        """A hash of the token -> id mapping (or of the vocabulary size when there is no tokenizer)."""
+        digest = hashlib.sha256()
+        if self.tokenizer is None:
+            digest.update(f"vocab_size={self.vocab_size}".encode())
+        else:
+            vocab = sorted(self.tokenizer.get_vocab().items(), key=lambda item: item[1])
+            digest.update(json.dumps(vocab, ensure_ascii=False).encode())
+        return digest.hexdigest()[:16]
+
+
+def load_checkpoint(path: str | Path, dtype: str = "float32") -> Checkpoint:
+    """Load a local HF checkpoint (safetensors only, no remote code) in eval mode.
+
+    Raises CheckpointError with an actionable message for a missing directory, an unsupported
+    architecture or an unknown dtype.
+    """
+    directory = Path(path).expanduser().resolve()
+    if not (directory / "config.json").is_file():
+        raise CheckpointError(f"{directory} is not a model directory: config.json is missing")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    architectures = set(config.architectures or [])
+    if not architectures & SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(
+            f"{directory}: architecture {sorted(architectures) or 'unknown'} is not supported; "
+            f"specserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=DTYPES[dtype], use_safetensors=True, local_files_only=True
+    )
+    model.eval()
+    tokenizer = None
+    if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return Checkpoint(path=directory, model=model, tokenizer=tokenizer)

@@ -1,0 +1,92 @@
+"""A forward pass over HF Llama-family decoder modules with specserve's own KV layouts.
+
+The weights and the modules (norms, projections, MLP, rotary embedding) are the checkpoint's own; only
+the attention and the cache are specserve's, so ragged windows of many sequences run in one batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from engine.kv_cache import KVLayout
+
+
+class Decoder:
+    """Runs prompt prefill (batch 1) and batched window steps over a KV layout."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.body = model.model
+        config = model.config
+        self.num_layers = int(config.num_hidden_layers)
+        self.q_heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.q_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.q_heads)
+        self.scale = float(self.body.layers[0].self_attn.scaling)
+        self.dtype = next(model.parameters()).dtype
+
+    def _qkv(self, layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        attn = layer.self_attn
+        batch, width, _ = x.shape
+        q = attn.q_proj(x).view(batch, width, -1, self.head_dim)
+        k = attn.k_proj(x).view(batch, width, -1, self.head_dim)
+        v = attn.v_proj(x).view(batch, width, -1, self.head_dim)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def _finish_layer(self, layer: torch.nn.Module, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        batch, _, width, _ = o.shape
+        h = h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(batch, width, -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Run a prompt (batch 1, causal) and return (logits of its last position [V], per-layer
+        keys and values [Hkv, P, D]) — the prompt KV that a group stores once."""
+        tokens = torch.tensor([list(token_ids)], dtype=torch.long)
+        positions = torch.arange(tokens.shape[1])[None, :]
+        h = self.body.embed_tokens(tokens)
+        cos, sin = self.body.rotary_emb(h, positions)
+        keys, values = [], []
+        for layer in self.body.layers:
+            q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin)
+            keys.append(k[0])
+            values.append(v[0])
+            o = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.q_heads != self.kv_heads
+            )
+            h = self._finish_layer(layer, h, o)
+        logits = self.model.lm_head(self.body.norm(h[:, -1]))
+        return logits[0].float(), keys, values
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor, widths: torch.Tensor, base: torch.Tensor,
+             kv: KVLayout, last_only: bool) -> torch.Tensor:
+        """One batched forward over ragged windows and append their KV.
+
+        tokens [B, W]: row b's window is tokens[b, :widths[b]] (the rest is padding), placed after the
+        row's prompt and its ``base[b]`` decode tokens already cached. Returns float32 logits
+        [B, W, V], or [B, V] at each row's last window position when ``last_only``.
+        """
+        batch, width = tokens.shape
+        positions = kv.row_prefix_lens()[:, None] + base[:, None] + torch.arange(width)[None, :]
+        lens = base + widths
+        h = self.body.embed_tokens(tokens)
+        cos, sin = self.body.rotary_emb(h, positions)
+        for index, layer in enumerate(self.body.layers):
+            q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin)
+            kv.write(index, k, v, base)
+            o = kv.attend(index, q, base, lens, self.scale)
+            h = self._finish_layer(layer, h, o)
+        if last_only:
+            h = h[torch.arange(batch), (widths - 1).clamp(min=0)]
+        return self.model.lm_head(self.body.norm(h)).float()

@@ -1,0 +1,189 @@
+"""The model runtime a service wraps: a checkpoint, its batches held by id, a KV budget, expiry.
+
+All model work and batch mutation happen under one lock: a service runs one forward at a time and
+gives it all the cores (torch intra-op threads).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from engine.batch import Batch, GroupInput, SequenceState
+from engine.checkpoint import Checkpoint
+from engine.decoder import Decoder
+from engine.errors import InvalidInput, KVBudgetExceeded, UnknownBatch
+from engine.kv_cache import ATTENTION_LAYOUTS, BifurcatedKV, ExpandedKV, KVLayout
+from engine.sampling import sequence_generator
+from kernels import get_bifurcated_attention
+
+# Decode slots reserved per sequence beyond max_new_tokens: the draft window that may overshoot.
+SPECULATION_MARGIN = 16
+
+
+class ModelRuntime:
+    """Batches of one model, keyed by batch id, with their KV caches (see engine.kv_cache)."""
+
+    role = "model"
+
+    def __init__(self, checkpoint: Checkpoint, attention: str = "bifurcated", attention_backend: str = "torch",
+                 kv_budget_bytes: int | None = None, session_ttl_s: float = 300.0) -> None:
+        if attention not in ATTENTION_LAYOUTS:
+            raise ValueError(f"attention must be one of {ATTENTION_LAYOUTS}, got {attention!r}")
+        self.checkpoint = checkpoint
+        self.decoder = Decoder(checkpoint.model)
+        self.attention = attention
+        self._bifurcated = get_bifurcated_attention(attention_backend)
+        self.kv_budget_bytes = kv_budget_bytes
+        self.session_ttl_s = session_ttl_s
+        self.lock = threading.RLock()
+        self.batches: dict[str, Batch] = {}
+        self._reserved: dict[str, dict[int, int]] = {}  # batch id -> group id -> reserved bytes
+
+    # -- sizes -------------------------------------------------------------------------------------
+    @property
+    def token_kv_bytes(self) -> int:
+        """KV bytes one token occupies across all layers (keys and values)."""
+        d = self.decoder
+        return 2 * d.num_layers * d.kv_heads * d.head_dim * torch.finfo(d.dtype).bits // 8
+
+    def group_kv_bytes(self, prompt_len: int, samples: int, max_new_tokens: int) -> int:
+        """Upper bound of the KV bytes a group needs in this runtime's layout."""
+        decode = samples * (max_new_tokens + SPECULATION_MARGIN)
+        prompt = prompt_len if self.attention == "bifurcated" else samples * prompt_len
+        return (prompt + decode) * self.token_kv_bytes
+
+    def kv_bytes_in_use(self) -> int:
+        """Bytes held by the KV tensors of all batches."""
+        with self.lock:
+            return sum(b.kv.nbytes() for b in self.batches.values())
+
+    def sequence_count(self) -> int:
+        """Live sequences across all batches."""
+        with self.lock:
+            return sum(len(b.sequences) for b in self.batches.values())
+
+    # -- batches -----------------------------------------------------------------------------------
+    def _new_layout(self) -> KVLayout:
+        d = self.decoder
+        if self.attention == "bifurcated":
+            return BifurcatedKV(d.num_layers, d.kv_heads, d.head_dim, d.dtype, self._bifurcated)
+        return ExpandedKV(d.num_layers, d.kv_heads, d.head_dim, d.dtype)
+
+    def get_batch(self, batch_id: str) -> Batch:
+        """The live batch with this id (caller holds the lock); raises UnknownBatch."""
+        batch = self.batches.get(batch_id)
+        if batch is None:
+            raise UnknownBatch(f"batch {batch_id!r} is not held by this {self.role} service "
+                               "(released, expired or never prefilled)")
+        batch.touch()
+        return batch
+
+    def _validate_group(self, group: GroupInput, live: set[int]) -> None:
+        vocab = self.checkpoint.vocab_size
+        if not group.prompt_token_ids:
+            raise InvalidInput(f"group {group.group_id}: prompt_token_ids is empty")
+        bad = [t for t in group.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidInput(
+                f"group {group.group_id}: prompt_token_ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        if not group.sequence_ids or len(set(group.sequence_ids)) != len(group.sequence_ids):
+            raise InvalidInput(f"group {group.group_id}: sequence_ids must be non-empty and distinct")
+        if live & set(group.sequence_ids):
+            taken = sorted(live & set(group.sequence_ids))[:5]
+            raise InvalidInput(f"group {group.group_id}: sequence ids {taken} are already live")
+        if group.max_new_tokens <= 0:
+            raise InvalidInput(f"group {group.group_id}: max_new_tokens must be positive")
+        total = len(group.prompt_token_ids) + group.max_new_tokens
+        if total > self.checkpoint.max_context:
+            raise InvalidInput(f"group {group.group_id}: prompt ({len(group.prompt_token_ids)}) + max_new_tokens "
+                               f"({group.max_new_tokens}) exceeds the model context {self.checkpoint.max_context}")
+        try:
+            group.params.validate()
+        except ValueError as error:
+            raise InvalidInput(f"group {group.group_id}: {error}") from error
+
+    def _reserve(self, batch_id: str, groups: Sequence[GroupInput]) -> None:
+        needed = {g.group_id: self.group_kv_bytes(len(g.prompt_token_ids), len(g.sequence_ids), g.max_new_tokens)
+                  for g in groups}
+        if self.kv_budget_bytes is not None:
+            used = sum(sum(r.values()) for r in self._reserved.values())
+            if used + sum(needed.values()) > self.kv_budget_bytes:
+                raise KVBudgetExceeded(
+                    f"KV cache budget of the {self.role} service exhausted: {used} of {self.kv_budget_bytes} bytes "
+                    f"reserved, the new groups need {sum(needed.values())}; retry later or with fewer samples/tokens"
+                )
+        self._reserved.setdefault(batch_id, {}).update(needed)
+
+    def prefill(self, batch_id: str, groups: Sequence[GroupInput]) -> dict[int, int]:
+        """Prefill each group's prompt once into the batch (created when new) and add its sequences.
+
+        Returns each new sequence's first token (the target samples it; the draft returns {}).
+        Validates everything before changing any state: a bad group leaves the batch untouched.
+        """
+        with self.lock:
+            batch = self.batches.get(batch_id)
+            live = batch.ids() if batch else set()
+            seen: set[int] = set()
+            for group in groups:
+                self._validate_group(group, live | seen)
+                seen.update(group.sequence_ids)
+            self._reserve(batch_id, groups)
+            if batch is None:
+                batch = self.batches[batch_id] = Batch(batch_id, self._new_layout())
+            batch.touch()
+            first: dict[int, int] = {}
+            for group in groups:
+                logits, keys, values = self.decoder.prefill(group.prompt_token_ids)
+                states = [
+                    SequenceState(sid, group.group_id, group.params,
+                                  sequence_generator(group.params.seed, index, self.role))
+                    for index, sid in enumerate(group.sequence_ids)
+                ]
+                batch.add(states, keys, values)
+                first.update(self._first_tokens(states, logits))
+            return first
+
+    def _first_tokens(self, states: Sequence[SequenceState], logits: torch.Tensor) -> dict[int, int]:
+        """Hook for the target: sample each new sequence's first token from the prompt's logits."""
+        return {}
+
+    def release(self, batch_id: str, sequence_ids: Iterable[int] = ()) -> int:
+        """Release sequences of a batch, or the whole batch when none are given. Returns the count."""
+        with self.lock:
+            batch = self.batches.get(batch_id)
+            if batch is None:
+                return 0
+            ids = list(sequence_ids)
+            released = batch.release(ids) if ids else len(batch.sequences)
+            if not ids or not batch.sequences:
+                del self.batches[batch_id]
+            self._forget_groups(batch_id)
+            return released
+
+    def _forget_groups(self, batch_id: str) -> None:
+        batch = self.batches.get(batch_id)
+        live_groups = {s.group_id for s in batch.sequences} if batch else set()
+        reserved = self._reserved.get(batch_id, {})
+        for group_id in list(reserved):
+            if group_id not in live_groups:
+                del reserved[group_id]
+        if not reserved:
+            self._reserved.pop(batch_id, None)
+
+    def release_in_batch(self, batch: Batch, sequence_ids: Iterable[int]) -> None:
+        """Drop finished sequences named in a Propose/Verify before the step runs."""
+        if batch.release(sequence_ids):
+            self._forget_groups(batch.batch_id)
+
+    def expire_idle(self, now: float | None = None) -> list[str]:
+        """Release batches idle for longer than the session TTL; returns their ids."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            expired = [bid for bid, b in self.batches.items() if now - b.last_used > self.session_ttl_s]
+            for batch_id in expired:
+                self.release(batch_id)
+            return expired

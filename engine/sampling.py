@@ -1,0 +1,402 @@
+"""Logits processing and lossless speculative sampling, shared by the draft and target services.
+
+Pipeline for one generated position of one sequence:
+
+1. ``process_logits`` turns raw logits into the *processed* distribution (temperature, top-k, top-p; or a
+   one-hot argmax for greedy requests). The target's processed distribution ``p`` is the distribution
+   the service promises to sample from.
+2. The draft proposes tokens. For sampling requests it does **not** sample from its full processed
+   distribution: it first encodes it compactly (``compact_distribution``: at most ``max_support`` tokens,
+   fp16 probabilities) and then samples from ``CompactDistribution.to_dense()`` -- exactly the
+   distribution ``q`` it transmits to the target.
+3. The target rebuilds ``q`` from the same bytes (``to_dense`` is deterministic) and runs
+   ``verify_proposals``: token ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; at
+   the first rejection the next token is drawn from ``norm(max(0, p_i - q_i))``; if every proposed token is
+   accepted a bonus token is drawn from ``p_k``.
+
+Why this is lossless: speculative sampling (Leviathan et al. 2023; Chen et al. 2023) yields tokens
+distributed exactly according to ``p`` for **any** draft distribution ``q``, provided the ``q`` used in
+the acceptance test is the one the proposed token was actually drawn from. Truncating and quantizing the
+draft distribution therefore costs acceptance rate, never correctness, because the draft samples from the
+truncated/quantized distribution itself and the target uses that same distribution. Greedy requests need
+no distributions at all: a draft token is accepted iff it equals the target's argmax.
+
+Randomness: every sequence owns one CPU ``torch.Generator`` per role (``sequence_generator``), and every
+call consumes a fixed number of uniforms per sampling row (``sample``: 1; ``verify_proposals``: K + 1),
+independently of what was accepted, so results are reproducible and a row's outcome does not depend on
+the other rows of the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.errors import InvalidInput
+
+__all__ = [
+    "CompactDistribution",
+    "SamplingParams",
+    "compact_distribution",
+    "draft_distribution",
+    "process_logits",
+    "sample",
+    "sequence_generator",
+    "verify_proposals",
+]
+
+_ROLES = ("draft", "target")
+_FP16_LE = np.dtype("<f2")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters. ``temperature == 0`` means greedy (argmax) decoding."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 = disabled
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        """True iff decoding is greedy (temperature exactly 0); top-k/top-p are then irrelevant."""
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ``InvalidInput`` (a ``ValueError``) naming the offending field if any parameter is invalid.
+
+        Valid: finite ``temperature >= 0``; ``0 < top_p <= 1``; integer ``top_k >= 0``; integer ``seed >= 0``.
+        """
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise InvalidInput(f"temperature must be a finite number >= 0, got {t!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):  # NaN fails too
+            raise InvalidInput(f"top_p must be in (0, 1], got {p!r}")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise InvalidInput(f"top_k must be an integer >= 0, got {k!r}")
+        s = self.seed
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0:
+            raise InvalidInput(f"seed must be an integer >= 0, got {s!r}")
+
+
+def sequence_generator(seed: int, sample_index: int, role: str) -> torch.Generator:
+    """Return a CPU generator seeded deterministically from ``(seed, sample_index, role)``.
+
+    The seed is a stable hash (BLAKE2b), so it is identical across processes, machines and Python
+    versions; different samples and roles get independent streams.
+    """
+    if role not in _ROLES:
+        raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
+    digest = hashlib.blake2b(
+        f"specserve/sampling/{int(seed)}/{int(sample_index)}/{role}".encode(), digest_size=8
+    ).digest()
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    return generator
+
+
+def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Turn logits ``[N, V]`` (any float dtype) into processed probabilities ``[N, V]`` float32.
+
+    Row ``n`` uses ``params[n]``. Greedy rows become the one-hot of the argmax (ties: lowest index).
+    Other rows: ``softmax(logits / T)``, then top-k (keep the k most probable; ties broken towards the lower
+    token id), then top-p on the renormalized top-k distribution (keep the smallest prefix of most probable
+    tokens whose mass reaches ``top_p``; the top-1 token is always kept), renormalized. Kept tokens of
+    filtered rows have probability > 0 unless underflow in the softmax itself. The result is bit-for-bit
+    deterministic for identical inputs on the same device.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    n_rows, vocab = logits.shape
+    if len(params) != n_rows:
+        raise ValueError(f"need one SamplingParams per row: {len(params)} params for {n_rows} rows")
+    for p in params:
+        p.validate()
+    device = logits.device
+    x = logits.float()
+    out = torch.zeros((n_rows, vocab), dtype=torch.float32, device=device)
+    if n_rows == 0:
+        return out
+
+    greedy = [p.greedy for p in params]
+    greedy_rows = [i for i, g in enumerate(greedy) if g]
+    sample_rows = [i for i, g in enumerate(greedy) if not g]
+
+    if greedy_rows:
+        idx = torch.tensor(greedy_rows, dtype=torch.long, device=device)
+        top1 = x[idx].argmax(dim=-1, keepdim=True)
+        out[idx] = torch.zeros((len(greedy_rows), vocab), dtype=torch.float32, device=device).scatter_(
+            -1, top1, 1.0
+        )
+
+    if sample_rows:
+        idx = torch.tensor(sample_rows, dtype=torch.long, device=device)
+        xs = x[idx]
+        temps = torch.tensor([params[i].temperature for i in sample_rows], dtype=torch.float32, device=device)
+        # Shifting by the row max first is mathematically a no-op for the softmax but keeps tiny
+        # temperatures from overflowing logits / T to inf.
+        xs = (xs - xs.amax(dim=-1, keepdim=True)) / temps.unsqueeze(-1)
+        probs = torch.softmax(xs, dim=-1)
+        top_k = [params[i].top_k for i in sample_rows]
+        top_p = [params[i].top_p for i in sample_rows]
+        needs = [j for j in range(len(sample_rows)) if 0 < top_k[j] < vocab or top_p[j] < 1.0]
+        if needs:
+            sub = torch.tensor(needs, dtype=torch.long, device=device)
+            probs[sub] = _filter_top_k_top_p(
+                probs[sub],
+                torch.tensor([top_k[j] for j in needs], dtype=torch.long, device=device),
+                torch.tensor([top_p[j] for j in needs], dtype=torch.float64, device=device),
+            )
+        out[idx] = probs
+    return out
+
+
+def _filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p filtering of normalized rows ``[R, V]``, renormalized (per-row k and p)."""
+    vocab = probs.shape[-1]
+    # Stable descending sort: among equal probabilities the lower token id ranks first.
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
+    keep = ~((top_k > 0).unsqueeze(-1) & (rank >= top_k.unsqueeze(-1)))
+    sorted_p = sorted_p * keep
+    # Top-p over the (implicitly renormalized) top-k distribution: keep rank r iff the mass strictly before
+    # it is below top_p * total, i.e. the minimal prefix whose mass reaches top_p. Rank 0 always passes.
+    mass = sorted_p.double().cumsum(dim=-1)
+    before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=-1)
+    keep &= before < top_p.unsqueeze(-1) * mass[:, -1:]
+    sorted_p = sorted_p * keep
+    filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+def _uniforms(generators: Sequence[torch.Generator], count: int) -> torch.Tensor:
+    """``[len(generators), count]`` float64 uniforms in [0, 1), exactly ``count`` from each generator."""
+    if not generators:
+        return torch.empty((0, count), dtype=torch.float64)
+    return torch.stack([torch.rand(count, generator=g, dtype=torch.float64) for g in generators])
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw from each row of ``probs [N, V]`` (normalized on the fly) with uniforms ``u [N]``.
+
+    Never returns a zero-probability token: the search picks the first index whose CDF exceeds ``u *
+    total`` (zero-probability tokens never increase the CDF), and rounding past the end is clamped to the
+    last token with nonzero probability.
+    """
+    if probs.shape[0] == 0:
+        return torch.empty(0, dtype=torch.long, device=probs.device)
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1]
+    if not bool((total > 0).all()) or not bool(torch.isfinite(total).all()):
+        raise ValueError("every row must have positive, finite probability mass")
+    target = (u.to(device=probs.device, dtype=torch.float64) * total).unsqueeze(-1).contiguous()
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    vocab = probs.shape[-1]
+    last_nonzero = (vocab - 1) - (probs.flip(-1) > 0).to(torch.uint8).argmax(dim=-1)
+    return torch.minimum(idx, last_nonzero)
+
+
+def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """Draw one token id per row of ``probs [N, V]`` -> ``[N]`` int64, by inverse CDF.
+
+    Consumes exactly one float64 uniform from each row's generator (``generators[n]`` for row ``n``), so
+    a row's draw depends only on its own probabilities and generator. Never returns a token whose
+    probability is zero; rows are renormalized implicitly.
+    """
+    if probs.ndim != 2:
+        raise ValueError(f"probs must be [N, V], got shape {tuple(probs.shape)}")
+    if len(generators) != probs.shape[0]:
+        raise ValueError(f"need one generator per row: {len(generators)} for {probs.shape[0]} rows")
+    u = _uniforms(generators, 1).squeeze(-1)
+    return _inverse_cdf(probs, u)
+
+
+@dataclass(frozen=True)
+class CompactDistribution:
+    """A sparse draft distribution as sent over the wire: token ids and their fp16 probabilities."""
+
+    token_ids: np.ndarray  # int32 [S]
+    probs_fp16: bytes  # little-endian float16 [S]
+
+    def to_dense(self, vocab_size: int) -> torch.Tensor:
+        """Return the encoded distribution as a dense float32 ``[vocab_size]`` tensor summing to 1.
+
+        Deterministic: the same bytes always give the same bits (renormalization in float64, then a single
+        rounding to float32), so the draft samples from and the target verifies against the same ``q``.
+        """
+        ids = np.asarray(self.token_ids, dtype=np.int64)
+        vals = np.frombuffer(self.probs_fp16, dtype=_FP16_LE).astype(np.float64)
+        if ids.ndim != 1 or ids.shape != vals.shape:
+            raise InvalidInput(f"compact distribution has {ids.size} token ids but {vals.size} probabilities")
+        if ids.size == 0:
+            raise InvalidInput("compact distribution is empty")
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise InvalidInput(f"compact distribution token id out of range [0, {vocab_size})")
+        if np.unique(ids).size != ids.size:
+            raise InvalidInput("compact distribution has duplicate token ids")
+        if not np.isfinite(vals).all() or (vals < 0).any():
+            raise InvalidInput("compact distribution probabilities must be finite and >= 0")
+        total = vals.sum()
+        if not total > 0:
+            raise InvalidInput("compact distribution has zero mass")
+        dense = np.zeros(vocab_size, dtype=np.float32)
+        dense[ids] = (vals / total).astype(np.float32)
+        return torch.from_numpy(dense)
+
+
+def compact_distribution(
+    probs: torch.Tensor, max_support: int = 256, min_prob: float = 1e-4
+) -> CompactDistribution:
+    """Encode ``probs [V]`` compactly: the at most ``max_support`` most probable tokens with
+    probability ``>= min_prob`` (the top-1 token is always kept), probabilities quantized to fp16.
+
+    The result is a valid (possibly truncated) distribution: entries that quantize to 0 are dropped, so
+    every transmitted token has positive probability in ``to_dense()``. 6 bytes per kept token.
+    """
+    if probs.ndim != 1:
+        raise ValueError(f"probs must be [V], got shape {tuple(probs.shape)}")
+    if max_support < 1:
+        raise ValueError(f"max_support must be >= 1, got {max_support}")
+    if not min_prob >= 0:
+        raise ValueError(f"min_prob must be >= 0, got {min_prob}")
+    k = min(max_support, probs.shape[0])
+    top_vals, top_ids = torch.topk(probs.detach().float().cpu(), k, sorted=True)
+    vals = top_vals.numpy().astype(np.float64)
+    ids = top_ids.numpy().astype(np.int32)
+    keep = vals >= min_prob
+    keep[0] = True
+    half = vals[keep].astype(_FP16_LE)
+    ids = ids[keep]
+    nonzero = half > 0
+    if not nonzero.any():
+        raise ValueError("distribution has no token with positive probability")
+    return CompactDistribution(token_ids=ids[nonzero].copy(), probs_fp16=half[nonzero].tobytes())
+
+
+def draft_distribution(probs: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, CompactDistribution | None]:
+    """Return ``(q, compact)`` for one processed draft distribution ``probs [V]``.
+
+    Greedy: ``(probs, None)`` (nothing is transmitted). Sampling: ``compact = compact_distribution(probs)``
+    and ``q = compact.to_dense(V)`` on ``probs``' device -- the draft must sample its proposal from this
+    ``q``, the exact distribution the target will reconstruct.
+    """
+    if greedy:
+        return probs, None
+    compact = compact_distribution(probs)
+    return compact.to_dense(probs.shape[-1]).to(probs.device), compact
+
+
+def _correction_distribution(p: torch.Tensor, q: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Distribution of the token emitted after the accepted prefix (rows ``[S, V]``, unnormalized).
+
+    Rejected rows: the residual ``max(0, p - q)`` (or ``p`` if it has no mass, i.e. ``p == q``
+    numerically). Fully accepted rows: ``p`` itself (the bonus token).
+    """
+    residual = (p - q).clamp_min(0.0)
+    use_residual = rejected & (residual.double().sum(dim=-1) > 0)
+    return torch.where(use_residual.unsqueeze(-1), residual, p)
+
+
+def verify_proposals(
+    target_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_lens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    greedy: torch.Tensor,
+    generators: Sequence[torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decide a batch of speculative proposals; return ``(accepted_len [B], next_token [B])`` int64.
+
+    ``target_probs [B, K+1, V]``: processed target distributions (position ``i`` predicts draft token
+    ``i``, position ``K`` is the bonus). ``draft_tokens [B, K]`` padded, ``draft_lens [B]`` with
+    ``0 <= k_b <= K``; positions ``>= k_b`` are ignored. ``draft_probs [B, K, V]``: the dense ``q`` each
+    draft token was drawn from (ignored for greedy rows; may be ``None`` if no sampling row proposes).
+
+    Greedy rows accept the longest prefix matching the target argmax and emit the argmax at the first
+    mismatch (or at ``k_b``). Sampling rows use the lossless rule: accept ``x_i`` iff
+    ``u_i < p_i(x_i) / q_i(x_i)`` (never if ``q_i(x_i) == 0``), then emit a token from the residual
+    ``norm(max(0, p_j - q_j))`` at the first rejection ``j`` or from ``p_{k_b}`` if all were accepted; the
+    emitted tokens are then distributed exactly as the target's processed distributions. Each sampling
+    row consumes exactly ``K + 1`` uniforms from its own generator per call (the first for the emitted
+    token, the next ``K`` for the acceptance tests), so the outcome of a row is independent of
+    the other rows of the batch; greedy rows consume none. ``0 <= accepted_len <= k_b``.
+    """
+    if target_probs.ndim != 3:
+        raise ValueError(f"target_probs must be [B, K+1, V], got shape {tuple(target_probs.shape)}")
+    batch, window, vocab = target_probs.shape
+    k_max = window - 1
+    if k_max < 0:
+        raise ValueError("target_probs needs at least one window position")
+    if tuple(draft_tokens.shape) != (batch, k_max):
+        raise ValueError(f"draft_tokens must be [{batch}, {k_max}], got {tuple(draft_tokens.shape)}")
+    if tuple(draft_lens.shape) != (batch,) or tuple(greedy.shape) != (batch,):
+        raise ValueError(f"draft_lens and greedy must be [{batch}]")
+    if len(generators) != batch:
+        raise ValueError(f"need one generator per row: {len(generators)} for {batch} rows")
+    device = target_probs.device
+    lens = draft_lens.to(device=device, dtype=torch.long)
+    if bool(((lens < 0) | (lens > k_max)).any()):
+        raise ValueError(f"draft_lens must be in [0, {k_max}]")
+    is_greedy = greedy.to(device=device, dtype=torch.bool)
+
+    valid = torch.arange(k_max, device=device).unsqueeze(0) < lens.unsqueeze(-1)  # [B, K]
+    tokens = torch.where(valid, draft_tokens.to(device=device, dtype=torch.long), 0)
+    if bool(((tokens < 0) | (tokens >= vocab)).any()):
+        raise ValueError(f"draft token id out of range [0, {vocab})")
+    p_window = target_probs[:, :k_max]  # [B, K, V]
+    accept = torch.zeros((batch, k_max), dtype=torch.bool, device=device)
+    next_token = torch.zeros(batch, dtype=torch.long, device=device)
+
+    greedy_list = is_greedy.tolist()
+    g_rows = [b for b in range(batch) if greedy_list[b]]
+    s_rows = [b for b in range(batch) if not greedy_list[b]]
+    g_idx = torch.tensor(g_rows, dtype=torch.long, device=device)
+    s_idx = torch.tensor(s_rows, dtype=torch.long, device=device)
+
+    if g_rows:
+        accept[g_idx] = tokens[g_idx] == p_window[g_idx].argmax(dim=-1)
+
+    u_final = None
+    if s_rows:
+        u = _uniforms([generators[b] for b in s_rows], k_max + 1).to(device)
+        u_final, u_accept = u[:, 0], u[:, 1:]
+        proposing = bool((lens[s_idx] > 0).any())
+        if proposing and draft_probs is None:
+            raise ValueError("draft_probs is required when a sampling row proposes tokens")
+        if draft_probs is not None and tuple(draft_probs.shape) != (batch, k_max, vocab):
+            raise ValueError(
+                f"draft_probs must be [{batch}, {k_max}, {vocab}], got {tuple(draft_probs.shape)}"
+            )
+        if proposing:
+            assert draft_probs is not None
+            s_tokens = tokens[s_idx].unsqueeze(-1)
+            p_x = p_window[s_idx].gather(-1, s_tokens).squeeze(-1).double()
+            q_x = draft_probs[s_idx].to(device).gather(-1, s_tokens).squeeze(-1).double()
+            # u < min(1, p/q) with u in [0, 1) is u < p/q; written as u * q < p to avoid dividing.
+            accept[s_idx] = (q_x > 0) & (u_accept * q_x < p_x)
+
+    accept &= valid
+    accepted_len = accept.long().cumprod(dim=-1).sum(dim=-1)  # length of the all-accepted prefix
+
+    if g_rows:
+        next_token[g_idx] = target_probs[g_idx, accepted_len[g_idx]].argmax(dim=-1)
+    if s_rows:
+        assert u_final is not None
+        pos = accepted_len[s_idx]
+        p_next = target_probs[s_idx, pos]
+        rejected = pos < lens[s_idx]
+        if draft_probs is not None and k_max > 0:
+            q_next = draft_probs[s_idx, pos.clamp(max=k_max - 1)].to(device)
+            final = _correction_distribution(p_next, q_next, rejected)
+        else:  # no row proposes: every row takes its bonus token from p
+            final = p_next
+        next_token[s_idx] = _inverse_cdf(final, u_final)
+    return accepted_len, next_token

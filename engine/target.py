@@ -1,0 +1,88 @@
+"""The target side of a round: score every proposal in one batched pass and accept a prefix of it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.batch import SequenceState, pad_windows
+from engine.errors import InvalidInput
+from engine.runtime import ModelRuntime
+from engine.sampling import CompactDistribution, process_logits, sample, verify_proposals
+
+
+@dataclass
+class Verdict:
+    """How many proposed tokens the target accepted, and the token it appends after them."""
+
+    sequence_id: int
+    accepted_len: int
+    next_token_id: int
+
+
+class TargetRuntime(ModelRuntime):
+    """Samples first tokens at prefill and verifies draft proposals (greedy or lossless sampling)."""
+
+    role = "target"
+
+    def _first_tokens(self, states: Sequence[SequenceState], logits: torch.Tensor) -> dict[int, int]:
+        params = [s.params for s in states]
+        probs = process_logits(logits[None].expand(len(states), -1), params)
+        first = sample(probs, [s.generator for s in states]).tolist()
+        for state, token in zip(states, first, strict=True):
+            state.pending = [token]
+        return {s.sequence_id: t for s, t in zip(states, first, strict=True)}
+
+    def _check_proposal(self, state: SequenceState, tokens: list[int],
+                        distributions: list[CompactDistribution]) -> None:
+        vocab = self.checkpoint.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidInput(f"sequence {state.sequence_id}: proposed token ids {bad[:5]} outside [0, {vocab})")
+        if not state.params.greedy and len(distributions) != len(tokens):
+            raise InvalidInput(f"sequence {state.sequence_id}: a sampling sequence needs one draft distribution "
+                               f"per proposed token ({len(tokens)}), got {len(distributions)}")
+
+    def verify(self, batch_id: str, proposals: dict[int, tuple[list[int], list[CompactDistribution]]],
+               release: Iterable[int] = ()) -> list[Verdict]:
+        """Verify {sequence id: (draft tokens, draft distributions)} for every live sequence in one
+        forward pass over ragged windows [pending token, draft tokens...].
+
+        Greedy sequences accept while the draft matches the target's argmax; sampling sequences use
+        rejection sampling, so their output has exactly the target's distribution. An empty proposal
+        is a plain decode step. Verdicts come back in row order.
+        """
+        vocab = self.checkpoint.vocab_size
+        with self.lock:
+            batch = self.get_batch(batch_id)
+            self.release_in_batch(batch, release)
+            states = batch.sequences
+            if not states:
+                return []
+            ordered = batch.in_row_order(proposals, "proposals")
+            for state, (tokens, dists) in zip(states, ordered, strict=True):
+                self._check_proposal(state, tokens, dists)
+            windows = [s.pending + tokens for s, (tokens, _) in zip(states, ordered, strict=True)]
+            tokens, widths = pad_windows(windows)
+            logits = self.decoder.step(tokens, widths, batch.decoded(), batch.kv, last_only=False)
+            rows, width = tokens.shape
+            params = [s.params for s in states for _ in range(width)]
+            target_probs = process_logits(logits.reshape(rows * width, -1), params).view(rows, width, -1)
+            draft_lens = widths - 1
+            greedy = torch.tensor([s.params.greedy for s in states])
+            draft_probs = None
+            if not bool(greedy.all()) and width > 1:
+                draft_probs = torch.zeros(rows, width - 1, vocab)
+                for row, (_, dists) in enumerate(ordered):
+                    for position, dist in enumerate(dists):
+                        draft_probs[row, position] = dist.to_dense(vocab)
+            accepted, nxt = verify_proposals(target_probs, tokens[:, 1:], draft_lens, draft_probs, greedy,
+                                             [s.generator for s in states])
+            verdicts = []
+            for state, a, c in zip(states, accepted.tolist(), nxt.tolist(), strict=True):
+                state.decoded += 1 + a
+                state.pending = [c]
+                verdicts.append(Verdict(state.sequence_id, a, c))
+            return verdicts

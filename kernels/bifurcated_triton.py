@@ -1,0 +1,354 @@
+"""Bifurcated (shared-prefix) attention as Triton kernels (GPU; CPU via ``TRITON_INTERPRET=1``).
+
+Same contract as :func:`kernels.bifurcated.bifurcated_attention`:
+
+* ``_context_kernel``: one program per (tile of folded rows of one group, kv head). The folded rows of
+  group ``g`` are its ``n`` samples x ``r`` query heads sharing the kv head x ``W`` window positions; the
+  program loops over the group's prefix in blocks of ``BLOCK_N`` keys with an online softmax and writes
+  ``o`` (fp32) and ``lse``. The prefix is read in place, once per tile: never expanded n-fold.
+* ``_decode_kernel``: one program per (row, kv head, tile of the ``r * W`` folded rows), looping over the
+  row's decode keys with the causal-window mask ``j < min(decode_base[b] + i + 1, decode_lens[b])``; a query
+  with no visible key gets ``o = 0``, ``lse = -inf``.
+* ``_merge_kernel``: ``o = (e^lse1 o1 + e^lse2 o2) / (e^lse1 + e^lse2)`` with the max subtracted, written
+  in ``q``'s dtype.
+
+Under the interpreter the environment variable ``TRITON_INTERPRET=1`` must be set before ``triton`` is
+imported (the kernels are decorated at import time).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.bifurcated import validate_layout
+
+__all__ = ["bifurcated_attention_triton", "triton_interpreted"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+def triton_interpreted() -> bool:
+    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in {"1", "true", "yes", "on"}
+
+
+@triton.jit
+def _context_kernel(
+    Q, K, V, Out, LSE,
+    TILE_GROUP, TILE_START, PREFIX_OFF, GROUP_OFF,
+    stride_qb, stride_qh, stride_qw, stride_qd,
+    stride_kh, stride_kp, stride_kd,
+    stride_vh, stride_vp, stride_vd,
+    stride_ob, stride_oh, stride_ow,
+    stride_lb, stride_lh,
+    qk_scale,
+    R: tl.constexpr, W: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    g = tl.load(TILE_GROUP + tile)
+    m_start = tl.load(TILE_START + tile)
+    row_lo = tl.load(GROUP_OFF + g)
+    row_hi = tl.load(GROUP_OFF + g + 1)
+    p_lo = tl.load(PREFIX_OFF + g)
+    p_hi = tl.load(PREFIX_OFF + g + 1)
+    m_total = (row_hi - row_lo) * (R * W)
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < m_total
+    sample = offs_m // (R * W)
+    head = kvh * R + (offs_m // W) % R
+    pos = offs_m % W
+    row = row_lo + sample
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+
+    q_ptrs = (Q + row[:, None] * stride_qb + head[:, None] * stride_qh + pos[:, None] * stride_qw
+              + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:  # the CPU interpreter's tl.dot is wrong for bf16/fp16 operands (triton 3.9)
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(p_lo, p_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < p_hi
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + kvh * stride_kh + offs_n[:, None] * stride_kp + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kvh * stride_vh + offs_n[:, None] * stride_vp + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_ptrs = (Out + row[:, None] * stride_ob + head[:, None] * stride_oh + pos[:, None] * stride_ow
+              + offs_d[None, :])
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + row * stride_lb + head * stride_lh + pos, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, Out, LSE, BASE, LENS,
+    stride_qb, stride_qh, stride_qw, stride_qd,
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_vb, stride_vh, stride_vc, stride_vd,
+    stride_ob, stride_oh, stride_ow,
+    stride_lb, stride_lh,
+    qk_scale,
+    R: tl.constexpr, W: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < R * W
+    head = kvh * R + offs_m // W
+    pos = offs_m % W
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    base = tl.load(BASE + row)
+    length = tl.load(LENS + row)
+    limit = tl.minimum(base + pos + 1, length)  # [BLOCK_M]
+
+    q_ptrs = (Q + row * stride_qb + head[:, None] * stride_qh + pos[:, None] * stride_qw
+              + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_FP32:  # the CPU interpreter's tl.dot is wrong for bf16/fp16 operands (triton 3.9)
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    k_base = K + row * stride_kb + kvh * stride_kh
+    v_base = V + row * stride_vb + kvh * stride_vh
+    for start in range(0, length, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < length
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        visible = (offs_n[None, :] < limit[:, None]) & row_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vc + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_ptrs = Out + row * stride_ob + head[:, None] * stride_oh + pos[:, None] * stride_ow + offs_d[None, :]
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + row * stride_lb + head * stride_lh + pos, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    O1, L1, O2, L2, OUT, N,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < N
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = r_ok[:, None] & (offs_d[None, :] < D)
+    l1 = tl.load(L1 + offs_r, mask=r_ok, other=float("-inf"))
+    l2 = tl.load(L2 + offs_r, mask=r_ok, other=float("-inf"))
+    m = tl.maximum(l1, l2)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w1 = tl.exp(l1 - m)
+    w2 = tl.exp(l2 - m)
+    denom = w1 + w2
+    denom = tl.where(denom > 0, denom, 1.0)
+    ptrs = offs_r[:, None] * D + offs_d[None, :]
+    o1 = tl.load(O1 + ptrs, mask=mask, other=0.0)
+    o2 = tl.load(O2 + ptrs, mask=mask, other=0.0)
+    out = o1 * (w1 / denom)[:, None] + o2 * (w2 / denom)[:, None]
+    tl.store(OUT + ptrs, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+def _blocks(device: torch.device) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): small tiles for the CPU interpreter, larger ones on a GPU."""
+    if device.type == "cpu" or triton_interpreted():
+        return 16, 16
+    return 64, 64
+
+
+def _dot_fp32(q: torch.Tensor) -> bool:
+    """Upcast tl.dot operands to fp32 under the interpreter (its bf16/fp16 dot is wrong) or for fp32."""
+    return q.dtype == torch.float32 or q.device.type == "cpu" or triton_interpreted()
+
+
+def _check_runnable(q: torch.Tensor) -> None:
+    if q.device.type == "cpu" and not triton_interpreted():
+        raise RuntimeError(
+            "bifurcated_attention_triton on CPU tensors needs TRITON_INTERPRET=1 set before triton is "
+            "imported"
+        )
+
+
+def merge_attention_states_triton(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Triton merge of two fp32 attention states [..., D] / [...] over disjoint keys, in ``out_dtype``.
+
+    Same guarantees as :func:`kernels.bifurcated.merge_attention_states` (an empty part, lse = -inf, has
+    weight 0; both empty gives 0).
+    """
+    _check_runnable(o1)
+    shape = o1.shape
+    dim = shape[-1]
+    o1f = o1.reshape(-1, dim).to(torch.float32).contiguous()
+    o2f = o2.reshape(-1, dim).to(torch.float32).contiguous()
+    l1 = lse1.reshape(-1).to(torch.float32).contiguous()
+    l2 = lse2.reshape(-1).to(torch.float32).contiguous()
+    rows = o1f.shape[0]
+    out = torch.empty(rows, dim, dtype=out_dtype, device=o1.device)
+    if rows == 0:
+        return out.reshape(shape)
+    block_r = 16
+    _merge_kernel[(triton.cdiv(rows, block_r),)](
+        o1f, l1, o2f, l2, out, rows, D=dim, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(max(dim, 16))
+    )
+    return out.reshape(shape)
+
+
+def context_attention_triton(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    prefix_offsets: list[int],
+    group_offsets: list[int],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton context part: ``(o [B, Hq, W, D] fp32, lse [B, Hq, W] fp32)`` over each group's prefix.
+
+    Same guarantees as :func:`kernels.bifurcated.context_attention`; one program per (tile of the
+    n * r * W folded rows of a group, kv head), the prefix read in place.
+    """
+    _check_runnable(q)
+    r = validate_layout(q, prefix_k, prefix_v, prefix_offsets, group_offsets)
+    batch, hq, window, dim = q.shape
+    hkv = prefix_k.shape[0]
+    block_m, block_n = _blocks(q.device)
+    out = torch.empty(batch, hq, window, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, hq, window, dtype=torch.float32, device=q.device)
+    tile_group: list[int] = []
+    tile_start: list[int] = []
+    for g in range(len(group_offsets) - 1):
+        rows = (group_offsets[g + 1] - group_offsets[g]) * r * window
+        for start in range(0, rows, block_m):
+            tile_group.append(g)
+            tile_start.append(start)
+    if not tile_group:
+        return out, lse
+    dev = q.device
+    tg = torch.tensor(tile_group, dtype=torch.int32, device=dev)
+    ts = torch.tensor(tile_start, dtype=torch.int32, device=dev)
+    po = torch.tensor(list(prefix_offsets), dtype=torch.int32, device=dev)
+    go = torch.tensor(list(group_offsets), dtype=torch.int32, device=dev)
+    _context_kernel[(len(tile_group), hkv)](
+        q, prefix_k, prefix_v, out, lse, tg, ts, po, go,
+        *q.stride(), *prefix_k.stride(), *prefix_v.stride(),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        scale * _LOG2E,
+        R=r, W=window, D=dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(max(dim, 16)), PRECISION="ieee", DOT_FP32=_dot_fp32(q),
+    )
+    return out, lse
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    decode_k: torch.Tensor,
+    decode_v: torch.Tensor,
+    decode_base: torch.Tensor,
+    decode_lens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton decode part: ``(o, lse)`` fp32 over each row's own decode keys (causal inside the window).
+
+    Same guarantees as :func:`kernels.bifurcated.decode_attention`; a query with no visible key gets
+    ``o = 0``, ``lse = -inf``.
+    """
+    _check_runnable(q)
+    batch, hq, window, dim = q.shape
+    hkv = decode_k.shape[1]
+    if hq % hkv != 0 or decode_k.shape[0] != batch or decode_k.shape[3] != dim:
+        raise ValueError(f"incompatible q {tuple(q.shape)} and decode cache {tuple(decode_k.shape)}")
+    r = hq // hkv
+    block_m, block_n = _blocks(q.device)
+    out = torch.empty(batch, hq, window, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, hq, window, dtype=torch.float32, device=q.device)
+    if batch == 0:
+        return out, lse
+    base = decode_base.to(device=q.device, dtype=torch.int32).contiguous()
+    lens = decode_lens.to(device=q.device, dtype=torch.int32).contiguous()
+    grid = (batch, hkv, triton.cdiv(r * window, block_m))
+    _decode_kernel[grid](
+        q, decode_k, decode_v, out, lse, base, lens,
+        *q.stride(), *decode_k.stride(), *decode_v.stride(),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        scale * _LOG2E,
+        R=r, W=window, D=dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(max(dim, 16)), PRECISION="ieee", DOT_FP32=_dot_fp32(q),
+    )
+    return out, lse
+
+
+def bifurcated_attention_triton(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    prefix_offsets: list[int],
+    group_offsets: list[int],
+    decode_k: torch.Tensor,
+    decode_v: torch.Tensor,
+    decode_base: torch.Tensor,
+    decode_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Triton bifurcated attention; same signature and guarantees as ``kernels.bifurcated``'s version.
+
+    Query ``i`` of row ``b`` (group ``g``) attends to the whole prefix of ``g`` and to its decode keys
+    ``j < min(decode_base[b] + i + 1, decode_lens[b])``. Returns [B, Hq, W, D] in ``q``'s dtype. On CPU
+    tensors it requires ``TRITON_INTERPRET=1`` (set before importing triton).
+    """
+    validate_layout(q, prefix_k, prefix_v, prefix_offsets, group_offsets, decode_k, decode_v)
+    o_ctx, lse_ctx = context_attention_triton(q, prefix_k, prefix_v, prefix_offsets, group_offsets, scale)
+    o_dec, lse_dec = decode_attention_triton(q, decode_k, decode_v, decode_base, decode_lens, scale)
+    return merge_attention_states_triton(o_ctx, lse_ctx, o_dec, lse_dec, q.dtype)

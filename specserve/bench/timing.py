@@ -1,0 +1,87 @@
+"""Shared timing helpers for the benchmarks: medians of interleaved repeats, host/device info."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def synchronize() -> None:
+    """Wait for queued CUDA work (a no-op without CUDA), so that wall-clock timings are complete."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def time_interleaved_samples(
+    fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
+) -> dict[str, list[float]]:
+    """Wall-clock seconds of every call of each function, the functions interleaved.
+
+    Each function is first called ``warmup`` times (untimed). Then ``repeats`` rounds each call every
+    function once, the order rotating from round to round, so that slow drifts of the machine (other
+    load, frequency, caches) affect all candidates alike. Returns ``{name: [seconds per repeat]}``.
+    """
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    names = list(fns)
+    for _ in range(max(warmup, 0)):
+        for name in names:
+            fns[name]()
+    synchronize()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(repeats):
+        shift = rep % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            fns[name]()
+            synchronize()
+            samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median wall-clock seconds per call of each function, measured with interleaved repeats.
+
+    See :func:`time_interleaved_samples`; returns ``{name: median seconds}``.
+    """
+    return {name: statistics.median(s) for name, s in time_interleaved_samples(fns, repeats, warmup).items()}
+
+
+def cpu_model() -> str:
+    """The CPU model name (from /proc/cpuinfo where available, else ``platform.processor()``)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def host_info() -> dict[str, object]:
+    """Hardware/software description stored with benchmark results (CPU model, cores, threads, torch, GPU)."""
+    info: dict[str, object] = {
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable byte count with binary prefixes (e.g. ``"256.0 MiB"``)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{value:.1f} TiB"

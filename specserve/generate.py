@@ -1,0 +1,69 @@
+"""Ask a coordinator for n completions of a prompt and print them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+
+from specserve.grpc_server import open_channel
+from specserve.tls import TLSFiles
+from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``specserve generate``."""
+    parser.add_argument("--coordinator", default="127.0.0.1:50050", help="HOST:PORT of the coordinator")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("-n", type=int, default=1, help="samples sharing the prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=[])
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--timeout", type=float, default=600.0, help="request deadline (s)")
+    parser.add_argument("--json", action="store_true", help="print the response as JSON")
+    parser.add_argument("--tls-ca")
+    parser.add_argument("--tls-cert")
+    parser.add_argument("--tls-key")
+
+
+def request_from_args(args: argparse.Namespace) -> coordinator_pb2.GenerateRequest:
+    """The GenerateRequest the flags describe."""
+    return coordinator_pb2.GenerateRequest(
+        prompt=args.prompt, n=args.n, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def print_response(response: coordinator_pb2.GenerateResponse, prompt: str) -> None:
+    """Human-readable completions and usage."""
+    for completion in response.completions:
+        print(f"--- sample {completion.index} ({completion.finish_reason}, {len(completion.token_ids)} tokens)")
+        print(prompt + completion.text)
+    usage = response.usage
+    rate = usage.draft_tokens_accepted / usage.draft_tokens_proposed if usage.draft_tokens_proposed else 0.0
+    print(f"--- usage: prompt {usage.prompt_tokens}, completion {usage.completion_tokens} tokens, "
+          f"{usage.rounds} rounds, draft acceptance {rate:.2f} "
+          f"({usage.draft_tokens_accepted}/{usage.draft_tokens_proposed})")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Send one request; exit status 1 with the gRPC status on failure."""
+    channel = open_channel(args.coordinator, TLSFiles(args.tls_cert, args.tls_key, args.tls_ca))
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    try:
+        response = stub.Generate(request_from_args(args), timeout=args.timeout)
+    except grpc.RpcError as error:
+        print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps(MessageToDict(response), indent=2))
+    else:
+        print_response(response, args.prompt)
+    return 0

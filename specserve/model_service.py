@@ -1,0 +1,104 @@
+"""What the draft and target services share: proto conversion, Info/Prefill/Release, start-up."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from engine.batch import GroupInput
+from engine.checkpoint import load_checkpoint
+from engine.runtime import ModelRuntime
+from engine.sampling import SamplingParams
+from specserve.grpc_server import create_server, grpc_errors, set_serving
+from specserve.tls import TLSFiles
+from specserve.v1 import model_pb2
+
+log = logging.getLogger(__name__)
+
+JANITOR_PERIOD_S = 5.0
+
+
+def sampling_from_proto(message: model_pb2.SamplingParams) -> SamplingParams:
+    """Sampling parameters of a group as the runtime takes them."""
+    return SamplingParams(temperature=message.temperature, top_p=message.top_p, top_k=message.top_k,
+                          seed=message.seed)
+
+
+def sampling_to_proto(params: SamplingParams) -> model_pb2.SamplingParams:
+    """The wire form of sampling parameters."""
+    return model_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                    seed=params.seed)
+
+
+def group_from_proto(group: model_pb2.GroupSpec) -> GroupInput:
+    """A group to prefill, from its wire form."""
+    return GroupInput(group_id=group.group_id, prompt_token_ids=list(group.prompt_token_ids),
+                      sequence_ids=list(group.sequence_ids), params=sampling_from_proto(group.sampling),
+                      max_new_tokens=group.max_new_tokens)
+
+
+class ModelServicer:
+    """Info, Prefill and Release over a runtime that is set once the model has loaded."""
+
+    def __init__(self) -> None:
+        self.runtime: Any = None
+
+    def _ready(self, context: grpc.ServicerContext) -> Any:
+        if self.runtime is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+        return self.runtime
+
+    @grpc_errors
+    def Info(self, request: model_pb2.InfoRequest, context: grpc.ServicerContext) -> model_pb2.ModelInfo:  # noqa: N802
+        runtime: ModelRuntime = self._ready(context)
+        ckpt = runtime.checkpoint
+        return model_pb2.ModelInfo(
+            model_name=ckpt.name, architecture=ckpt.model.config.architectures[0], vocab_size=ckpt.vocab_size,
+            eos_token_ids=ckpt.eos_token_ids, max_context=ckpt.max_context,
+            tokenizer_json=ckpt.tokenizer_json(), vocab_fingerprint=ckpt.vocab_fingerprint(),
+            attention=runtime.attention, dtype=str(runtime.decoder.dtype).removeprefix("torch."),
+        )
+
+    @grpc_errors
+    def Prefill(self, request: model_pb2.PrefillRequest, context: grpc.ServicerContext  # noqa: N802
+                ) -> model_pb2.PrefillResponse:
+        runtime: ModelRuntime = self._ready(context)
+        first = runtime.prefill(request.batch_id, [group_from_proto(g) for g in request.groups])
+        return model_pb2.PrefillResponse(
+            first_tokens=[model_pb2.SequenceToken(sequence_id=s, token_id=t) for s, t in first.items()],
+            kv_bytes=runtime.kv_bytes_in_use(),
+        )
+
+    @grpc_errors
+    def Release(self, request: model_pb2.ReleaseRequest, context: grpc.ServicerContext  # noqa: N802
+                ) -> model_pb2.ReleaseResponse:
+        runtime: ModelRuntime = self._ready(context)
+        return model_pb2.ReleaseResponse(released_sequences=runtime.release(request.batch_id, request.sequence_ids))
+
+
+def serve_model(servicer: ModelServicer, add_to_server: Callable[[Any, grpc.Server], None], service_name: str,
+                runtime_factory: Callable[..., ModelRuntime], args: Any) -> int:
+    """Bind the port, report NOT_SERVING while the model loads, then serve until terminated."""
+    tls = TLSFiles(args.tls_cert, args.tls_key, args.tls_ca)
+    server, health_servicer, port = create_server([service_name], args.host, args.port, tls)
+    add_to_server(servicer, server)
+    server.start()
+    log.info("%s listening on %s:%d, loading %s", service_name, args.host, port, args.model)
+    checkpoint = load_checkpoint(args.model, args.dtype)
+    runtime = runtime_factory(
+        checkpoint, attention=args.attention, attention_backend=args.attention_backend,
+        kv_budget_bytes=int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
+        session_ttl_s=args.session_ttl,
+    )
+    servicer.runtime = runtime
+    set_serving(health_servicer, [service_name], True)
+    log.info("%s serving %s on %s:%d", service_name, checkpoint.name, args.host, port)
+    stop = threading.Event()
+    while not stop.wait(JANITOR_PERIOD_S):
+        for batch_id in runtime.expire_idle():
+            log.info("expired idle batch %s", batch_id)
+    return 0

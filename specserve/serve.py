@@ -1,0 +1,80 @@
+"""Run one specserve server: ``specserve serve draft|target|coordinator``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+DEFAULT_PORTS = {"coordinator": 50050, "draft": 50051, "target": 50052}
+
+
+def _common(parser: argparse.ArgumentParser, role: str) -> None:
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="interface to bind (default loopback; 0.0.0.0 to accept remote peers)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORTS[role], help="port to bind (0 = any free port)")
+    parser.add_argument("--tls-cert", help="PEM certificate of this server (enables TLS)")
+    parser.add_argument("--tls-key", help="PEM private key of this server")
+    parser.add_argument("--tls-ca", help="PEM CA: peers must present certificates it signed (mutual TLS); "
+                                         "also the CA this process trusts when calling other services")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--attention", default="bifurcated", choices=["bifurcated", "standard"],
+                        help="KV layout: prompt KV shared by a group's samples, or copied per sample")
+    parser.add_argument("--attention-backend", default="torch", choices=["torch", "triton"],
+                        help="bifurcated attention implementation (triton needs a GPU)")
+    parser.add_argument("--kv-budget-mb", type=float, default=0.0,
+                        help="refuse new groups (RESOURCE_EXHAUSTED) beyond this much KV cache; 0 = unbounded")
+    parser.add_argument("--session-ttl", type=float, default=300.0, help="seconds before an idle batch expires")
+
+
+def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="HOST:PORT of the target service")
+    parser.add_argument("--draft", help="HOST:PORT of the draft service; without it, plain batched decoding")
+    parser.add_argument("--max-n", type=int, default=64, help="largest n a request may ask for")
+    parser.add_argument("--max-batch-sequences", type=int, default=64, help="sequences in the running batch")
+    parser.add_argument("--max-queue", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED")
+    parser.add_argument("--draft-len", type=int, default=4, help="initial draft length k")
+    parser.add_argument("--max-draft-len", type=int, default=8, help="upper bound of the adaptive draft length")
+    parser.add_argument("--fixed-draft-len", action="store_true", help="keep k = --draft-len every round")
+    parser.add_argument("--model-timeout", type=float, default=60.0, help="deadline of target calls (s)")
+    parser.add_argument("--draft-timeout", type=float, default=10.0,
+                        help="deadline of draft calls (s); beyond it the batch continues on the target alone")
+    parser.add_argument("--connect-timeout", type=float, default=300.0,
+                        help="how long to wait for the model services to become healthy (s)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``serve ROLE`` with the flags of that role."""
+    roles = parser.add_subparsers(dest="role", required=True)
+    for role in ("draft", "target"):
+        role_parser = roles.add_parser(role, help=f"serve the {role} model")
+        _common(role_parser, role)
+        _model_flags(role_parser)
+    coordinator = roles.add_parser("coordinator", help="serve the public Generate API")
+    _common(coordinator, "coordinator")
+    _coordinator_flags(coordinator)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until terminated."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.role == "coordinator":
+        from coordinator.server import serve_coordinator
+
+        return asyncio.run(serve_coordinator(args))
+    from specserve.model_service import serve_model
+
+    if args.role == "draft":
+        from draft_service.servicer import SERVICE_NAME, DraftServicer, add_to_server
+        from engine.draft import DraftRuntime
+
+        return serve_model(DraftServicer(), add_to_server, SERVICE_NAME, DraftRuntime, args)
+    from engine.target import TargetRuntime
+    from target_service.servicer import SERVICE_NAME, TargetServicer, add_to_server
+
+    return serve_model(TargetServicer(), add_to_server, SERVICE_NAME, TargetRuntime, args)

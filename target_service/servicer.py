@@ -1,0 +1,44 @@
+"""specserve.v1.TargetModel over a TargetRuntime."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+
+from engine.sampling import CompactDistribution
+from engine.target import TargetRuntime
+from specserve.grpc_server import grpc_errors
+from specserve.model_service import ModelServicer
+from specserve.v1 import model_pb2, model_pb2_grpc
+
+SERVICE_NAME = "specserve.v1.TargetModel"
+
+
+def distribution_from_proto(message: model_pb2.DraftDistribution) -> CompactDistribution:
+    """A draft distribution from its wire form."""
+    return CompactDistribution(token_ids=np.asarray(message.token_ids, dtype=np.int32),
+                               probs_fp16=bytes(message.probs_fp16))
+
+
+class TargetServicer(ModelServicer, model_pb2_grpc.TargetModelServicer):
+    """Verify on top of the shared Info/Prefill/Release."""
+
+    @grpc_errors
+    def Verify(self, request: model_pb2.VerifyRequest, context: grpc.ServicerContext  # noqa: N802
+               ) -> model_pb2.VerifyResponse:
+        runtime: TargetRuntime = self._ready(context)
+        proposals = {
+            p.sequence_id: (list(p.token_ids), [distribution_from_proto(d) for d in p.distributions])
+            for p in request.proposals
+        }
+        verdicts = runtime.verify(request.batch_id, proposals, request.release_sequence_ids)
+        return model_pb2.VerifyResponse(
+            verdicts=[model_pb2.Verdict(sequence_id=v.sequence_id, accepted_len=v.accepted_len,
+                                        next_token_id=v.next_token_id) for v in verdicts],
+            kv_bytes=runtime.kv_bytes_in_use(),
+        )
+
+
+def add_to_server(servicer: TargetServicer, server: grpc.Server) -> None:
+    """Register the TargetModel service."""
+    model_pb2_grpc.add_TargetModelServicer_to_server(servicer, server)

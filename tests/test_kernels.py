@@ -1,0 +1,305 @@
+"""Bifurcated attention (torch and Triton) against SDPA on the expanded KV layout.
+
+The Triton kernels run on CPU through the Triton interpreter: ``TRITON_INTERPRET=1`` is set below before
+triton is imported (only when no CUDA device is present), and shapes are kept tiny.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels import ATTENTION_BACKENDS, get_bifurcated_attention  # noqa: E402
+from kernels.bifurcated import (  # noqa: E402
+    bifurcated_attention,
+    context_attention,
+    decode_attention,
+    kv_cache_bytes,
+    merge_attention_states,
+)
+from kernels.standard import expand_bifurcated_kv, standard_attention  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
+@dataclass
+class Case:
+    """One bifurcated-layout input set."""
+
+    q: torch.Tensor
+    prefix_k: torch.Tensor
+    prefix_v: torch.Tensor
+    prefix_offsets: list[int]
+    group_offsets: list[int]
+    decode_k: torch.Tensor
+    decode_v: torch.Tensor
+    decode_base: torch.Tensor
+    decode_lens: torch.Tensor
+    scale: float
+
+    def args(self) -> tuple:
+        return (
+            self.q, self.prefix_k, self.prefix_v, self.prefix_offsets, self.group_offsets,
+            self.decode_k, self.decode_v, self.decode_base, self.decode_lens, self.scale,
+        )
+
+
+def make_case(
+    *,
+    kv_heads: int,
+    ratio: int,
+    window: int,
+    prefix_lens: tuple[int, ...] = (1, 9, 23),
+    samples: tuple[int, ...] = (1, 3, 8),
+    head_dim: int = 16,
+    capacity: int = 13,
+    dtype: torch.dtype = torch.float32,
+    empty_decode: bool = False,
+    seed: int = 0,
+    device: str = "cpu",
+) -> Case:
+    """Random case: groups with the given prefix lengths / sample counts, ragged decode bases (incl. 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    prefix_offsets, group_offsets = [0], [0]
+    for p, n in zip(prefix_lens, samples, strict=True):
+        prefix_offsets.append(prefix_offsets[-1] + p)
+        group_offsets.append(group_offsets[-1] + n)
+    batch, ptot, hq = group_offsets[-1], prefix_offsets[-1], kv_heads * ratio
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    if empty_decode:
+        base = torch.zeros(batch, dtype=torch.int64)
+        lens = torch.zeros(batch, dtype=torch.int64)
+    else:
+        base = torch.randint(0, capacity - window + 1, (batch,), generator=gen)
+        base[0] = 0
+        base[-1] = capacity - window  # a full cache
+        lens = base + window
+    return Case(
+        q=rnd(batch, hq, window, head_dim),
+        prefix_k=rnd(kv_heads, ptot, head_dim),
+        prefix_v=rnd(kv_heads, ptot, head_dim),
+        prefix_offsets=prefix_offsets,
+        group_offsets=group_offsets,
+        decode_k=rnd(batch, kv_heads, capacity, head_dim),
+        decode_v=rnd(batch, kv_heads, capacity, head_dim),
+        decode_base=base.to(device),
+        decode_lens=lens.to(device),
+        scale=head_dim**-0.5,
+    )
+
+
+def sdpa_reference(case: Case) -> torch.Tensor:
+    """Oracle, independent from the code under test: per row, SDPA (fp32) over concat(prefix, decode KV)
+    with K/V repeat_interleaved to the query heads and the causal-window mask on the decode keys."""
+    batch, hq, window, _ = case.q.shape
+    hkv = case.prefix_k.shape[0]
+    out = torch.empty(case.q.shape, dtype=torch.float32)
+    groups = len(case.group_offsets) - 1
+    for g in range(groups):
+        plo, phi = case.prefix_offsets[g], case.prefix_offsets[g + 1]
+        for b in range(case.group_offsets[g], case.group_offsets[g + 1]):
+            dec = int(case.decode_lens[b])
+            k = torch.cat([case.prefix_k[:, plo:phi], case.decode_k[b, :, :dec]], dim=1).float().cpu()
+            v = torch.cat([case.prefix_v[:, plo:phi], case.decode_v[b, :, :dec]], dim=1).float().cpu()
+            k = k.repeat_interleave(hq // hkv, dim=0)
+            v = v.repeat_interleave(hq // hkv, dim=0)
+            mask = torch.ones(window, phi - plo + dec, dtype=torch.bool)
+            for i in range(window):
+                visible = min(int(case.decode_base[b]) + i + 1, dec)
+                mask[i, phi - plo + visible :] = False
+            out[b] = F.scaled_dot_product_attention(
+                case.q[b].float().cpu(), k, v, attn_mask=mask, scale=case.scale
+            )
+    return out
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.shape == expected.shape
+    err = (actual.float().cpu() - expected.float().cpu()).abs().max().item()
+    assert err <= TOL[dtype], f"max abs error {err} > {TOL[dtype]}"
+
+
+# (kv_heads, ratio): MHA r=1, GQA r=4, GQA r=8, MQA (one kv head).
+HEAD_LAYOUTS = [(3, 1), (2, 4), (2, 8), (1, 6)]
+
+
+@pytest.mark.parametrize("kv_heads,ratio", HEAD_LAYOUTS)
+@pytest.mark.parametrize("window", [1, 5])
+def test_torch_matches_sdpa_fp32(kv_heads: int, ratio: int, window: int) -> None:
+    case = make_case(kv_heads=kv_heads, ratio=ratio, window=window, seed=kv_heads * 10 + ratio + window)
+    out = bifurcated_attention(*case.args())
+    assert out.dtype == torch.float32
+    assert_close(out, sdpa_reference(case), torch.float32)
+
+
+@pytest.mark.parametrize("kv_heads,ratio", HEAD_LAYOUTS)
+def test_torch_context_only_when_decode_empty(kv_heads: int, ratio: int) -> None:
+    case = make_case(kv_heads=kv_heads, ratio=ratio, window=1, empty_decode=True, seed=7)
+    out = bifurcated_attention(*case.args())
+    assert_close(out, sdpa_reference(case), torch.float32)
+    o_dec, lse_dec = decode_attention(
+        case.q, case.decode_k, case.decode_v, case.decode_base, case.decode_lens, case.scale
+    )
+    assert torch.isneginf(lse_dec).all() and (o_dec == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [1, 5])
+def test_torch_low_precision(dtype: torch.dtype, window: int) -> None:
+    case = make_case(kv_heads=2, ratio=4, window=window, dtype=dtype, seed=3)
+    out = bifurcated_attention(*case.args())
+    assert out.dtype == dtype
+    assert_close(out, sdpa_reference(case), dtype)
+
+
+def test_standard_attention_on_expanded_layout_matches() -> None:
+    case = make_case(kv_heads=2, ratio=4, window=5, seed=11)
+    k, v, base, lens = expand_bifurcated_kv(
+        case.prefix_k, case.prefix_v, case.prefix_offsets, case.group_offsets,
+        case.decode_k, case.decode_v, case.decode_base, case.decode_lens,
+    )
+    assert k.shape[0] == case.q.shape[0]
+    std = standard_attention(case.q, k, v, base, lens, case.scale)
+    assert_close(std, sdpa_reference(case), torch.float32)
+    assert_close(bifurcated_attention(*case.args()), std, torch.float32)
+
+
+def test_context_lse_is_logsumexp_of_prefix_scores() -> None:
+    case = make_case(kv_heads=2, ratio=4, window=5, seed=5)
+    o, lse = context_attention(
+        case.q, case.prefix_k, case.prefix_v, case.prefix_offsets, case.group_offsets, case.scale
+    )
+    g, b = 2, case.group_offsets[2] + 1
+    plo, phi = case.prefix_offsets[g], case.prefix_offsets[g + 1]
+    k = case.prefix_k[:, plo:phi].repeat_interleave(4, dim=0)
+    v = case.prefix_v[:, plo:phi].repeat_interleave(4, dim=0)
+    scores = case.q[b] @ k.transpose(-1, -2) * case.scale
+    torch.testing.assert_close(lse[b], torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o[b], torch.softmax(scores, -1) @ v, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_with_one_empty_part() -> None:
+    gen = torch.Generator().manual_seed(1)
+    o1 = torch.randn(2, 3, 4, 8, generator=gen)
+    o2 = torch.randn(2, 3, 4, 8, generator=gen)
+    lse1 = torch.randn(2, 3, 4, generator=gen)
+    empty = torch.full((2, 3, 4), float("-inf"))
+    assert torch.equal(merge_attention_states(o1, lse1, torch.zeros_like(o2), empty), o1)
+    assert torch.equal(merge_attention_states(torch.zeros_like(o1), empty, o2, lse1), o2)
+    both = merge_attention_states(o1, empty, o2, empty)
+    assert torch.equal(both, torch.zeros_like(o1))
+    # Two non-empty parts: weights e^lse, including large lse values (stability).
+    lse2 = lse1 + 500.0
+    merged = merge_attention_states(o1, lse1, o2, lse2)
+    w1 = torch.sigmoid(lse1 - lse2)[..., None]
+    torch.testing.assert_close(merged, w1 * o1 + (1 - w1) * o2)
+    assert torch.isfinite(merged).all()
+
+
+def test_kv_bytes_report_n_fold_prompt_reduction() -> None:
+    for n in (1, 4, 32):
+        b = kv_cache_bytes([8192], [n], decode_len=16, kv_heads=32, head_dim=128, element_size=4, layers=2)
+        assert b["prompt_standard"] == n * b["prompt_bifurcated"]
+        assert b["prompt_bifurcated"] == 8192 * 2 * 32 * 128 * 4 * 2
+        assert b["decode"] == n * 16 * 2 * 32 * 128 * 4 * 2
+        assert b["standard"] - b["bifurcated"] == (n - 1) * b["prompt_bifurcated"]
+    mixed = kv_cache_bytes([10, 3], [4, 2], decode_len=0, kv_heads=1, head_dim=1, element_size=1)
+    assert mixed["prompt_bifurcated"] == 2 * 13 and mixed["prompt_standard"] == 2 * (40 + 6)
+
+
+def test_backend_registry() -> None:
+    assert set(ATTENTION_BACKENDS) == {"torch", "triton"}
+    assert get_bifurcated_attention("torch") is bifurcated_attention
+    with pytest.raises(ValueError):
+        get_bifurcated_attention("nope")
+
+
+# ---------------------------------------------------------------------------------------------- Triton
+def _triton_module():
+    """Import kernels.bifurcated_triton in interpreter mode on CPU (reloading it if it was imported before
+    TRITON_INTERPRET was set)."""
+    pytest.importorskip("triton")
+    module = importlib.import_module("kernels.bifurcated_triton")
+    if not torch.cuda.is_available() and "Interpreted" not in type(module._context_kernel).__name__:
+        module = importlib.reload(module)
+    return module
+
+
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON_CASES = [
+    # (kv_heads, ratio, window, dtype, empty_decode)
+    (2, 4, 5, torch.float32, False),  # GQA, verification window
+    (1, 8, 1, torch.float32, True),  # MQA, decode length 0 (context only)
+    (2, 1, 5, torch.bfloat16, False),  # MHA, bf16
+]
+
+
+@pytest.mark.parametrize("kv_heads,ratio,window,dtype,empty_decode", TRITON_CASES)
+def test_triton_matches_torch_and_sdpa(
+    kv_heads: int, ratio: int, window: int, dtype: torch.dtype, empty_decode: bool
+) -> None:
+    module = _triton_module()
+    case = make_case(
+        kv_heads=kv_heads, ratio=ratio, window=window, dtype=dtype, empty_decode=empty_decode,
+        prefix_lens=(1, 21), samples=(3, 1), capacity=7, seed=ratio + window, device=TRITON_DEVICE,
+    )
+    out = module.bifurcated_attention_triton(*case.args())
+    assert out.dtype == dtype
+    assert_close(out, sdpa_reference(case), dtype)
+    assert_close(out, bifurcated_attention(*case.args()), dtype)
+    assert get_bifurcated_attention("triton") is module.bifurcated_attention_triton
+
+
+def test_triton_merge_with_one_empty_part() -> None:
+    module = _triton_module()
+    gen = torch.Generator().manual_seed(2)
+    o1 = torch.randn(3, 2, 1, 16, generator=gen).to(TRITON_DEVICE)
+    lse1 = torch.randn(3, 2, 1, generator=gen).to(TRITON_DEVICE)
+    empty = torch.full_like(lse1, float("-inf"))
+    out = module.merge_attention_states_triton(o1, lse1, torch.zeros_like(o1), empty, torch.float32)
+    assert_close(out, o1, torch.float32)
+    both = module.merge_attention_states_triton(o1, empty, o1, empty, torch.float32)
+    assert (both == 0).all()
+
+
+# ------------------------------------------------------------------------------------------ benchmarks
+def test_bench_attention_and_decode_smoke(tmp_path, capsys) -> None:
+    """The two benchmark modules run end to end on tiny shapes (JSON output, plot file)."""
+    import argparse
+    import json
+
+    from specserve.bench import attention, decode
+
+    parser = argparse.ArgumentParser()
+    attention.add_arguments(parser)
+    args = parser.parse_args(["--samples", "3", "--context", "17", "--heads", "4", "--kv-heads", "2",
+                              "--head-dim", "16", "--window", "2", "--repeats", "1", "--warmup", "0",
+                              "--backend", "torch", "--json"])
+    assert attention.run(args) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["max_abs_err"] < 1e-5
+    assert res["kv_bytes"]["prompt_standard"] == 3 * res["kv_bytes"]["prompt_bifurcated"]
+    assert set(res["median_s"]) == {"bifurcated", "standard"}
+
+    parser = argparse.ArgumentParser()
+    decode.add_arguments(parser)
+    plot = tmp_path / "decode.png"
+    args = parser.parse_args(["--samples", "1,2", "--context", "9", "--hidden", "32", "--layers", "1",
+                              "--heads", "2", "--vocab", "50", "--repeats", "1", "--warmup", "0",
+                              "--backend", "torch", "--json", "--plot", str(plot)])
+    assert decode.run(args) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [p["samples"] for p in res["points"]] == [1, 2]
+    assert all(p["max_abs_logit_err"] < 1e-4 for p in res["points"])
+    assert plot.stat().st_size > 0
