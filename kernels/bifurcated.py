@@ -14,7 +14,9 @@ j < min(decode_base[b] + i + 1, decode_lens[b])]``. It is computed in two parts 
 * merge: ``o = (e^lse1 o1 + e^lse2 o2) / (e^lse1 + e^lse2)``, computed stably (an empty part has
   ``lse = -inf`` and weight 0).
 
-Scores and softmax are computed in fp32; the result has ``q``'s dtype.
+Softmax statistics (max, sum, log-sum-exp) and the merge are fp32; the two GEMMs run in fp32 for fp32
+inputs and in the input dtype (with fp32 accumulation) for bf16/fp16, like flash attention; the result
+has ``q``'s dtype.
 """
 
 from __future__ import annotations
@@ -77,17 +79,24 @@ def validate_layout(
     return hq // hkv
 
 
+def _gemm_dtype(q: torch.Tensor) -> torch.dtype:
+    """dtype of the two GEMMs: q's dtype for bf16/fp16 (fp32 accumulation inside the GEMM; the K/V are read
+    in place, never upcast), fp32 otherwise. Softmax statistics are always fp32."""
+    return q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
 def _softmax_parts(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (softmax(scores) @ v, logsumexp(scores)) in fp32; rows that are all -inf give (0, -inf).
 
-    ``scores`` (fp32, freshly allocated by the caller) is overwritten in place with the probabilities.
+    ``scores`` is fp32 (freshly allocated by the caller; it is overwritten in place with the unnormalised
+    probabilities). The probabilities are cast to ``v``'s dtype for the second GEMM.
     """
     m = scores.amax(dim=-1, keepdim=True)
     m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     p = scores.sub_(m_safe).exp_()
     denom = p.sum(dim=-1, keepdim=True)
-    out = torch.matmul(p, v)
-    out = out / torch.where(denom > 0, denom, torch.ones_like(denom))
+    out = torch.matmul(p.to(v.dtype), v).to(torch.float32)
+    out = out.div_(torch.where(denom > 0, denom, torch.ones_like(denom)))
     lse = (m_safe + torch.log(denom)).squeeze(-1)
     return out, lse
 
@@ -111,6 +120,7 @@ def context_attention(
     hkv = prefix_k.shape[0]
     out = torch.empty(batch, hq, window, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, hq, window, dtype=torch.float32, device=q.device)
+    cdt = _gemm_dtype(q)
     for g in range(len(group_offsets) - 1):
         lo, hi = group_offsets[g], group_offsets[g + 1]
         if hi == lo:
@@ -119,10 +129,10 @@ def context_attention(
         plo, phi = prefix_offsets[g], prefix_offsets[g + 1]
         # [n, Hq, W, D] -> [Hkv, n * r * W, D]: samples, shared query heads and window fold into M.
         qg = q[lo:hi].reshape(n, hkv, r, window, dim).transpose(0, 1).reshape(hkv, n * r * window, dim)
-        qg = qg.to(torch.float32) * scale
-        kg = prefix_k[:, plo:phi].to(torch.float32)  # view for fp32, one copy of the prefix otherwise
-        vg = prefix_v[:, plo:phi].to(torch.float32)
-        scores = torch.matmul(qg, kg.transpose(-1, -2))  # [Hkv, M, P]
+        qg = (qg.to(torch.float32) * scale).to(cdt)
+        kg = prefix_k[:, plo:phi].to(cdt)  # a view (the shared prefix is read in place)
+        vg = prefix_v[:, plo:phi].to(cdt)
+        scores = torch.matmul(qg, kg.transpose(-1, -2)).to(torch.float32)  # [Hkv, M, P]
         og, lg = _softmax_parts(scores, vg)
         out[lo:hi] = og.reshape(hkv, n, r, window, dim).transpose(0, 1).reshape(n, hq, window, dim)
         lse[lo:hi] = lg.reshape(hkv, n, r, window).transpose(0, 1).reshape(n, hq, window)
@@ -160,10 +170,11 @@ def decode_attention(
         raise ValueError(f"decode_lens ({used}) exceeds the decode capacity {decode_k.shape[2]}")
     base = decode_base.to(device=q.device, dtype=torch.int64)
     lens = decode_lens.to(device=q.device, dtype=torch.int64)
-    k = decode_k[:, :, :used].to(torch.float32)
-    v = decode_v[:, :, :used].to(torch.float32)
-    qf = q.reshape(batch, hkv, r * window, dim).to(torch.float32) * scale  # heads sharing a kv head fold
-    scores = torch.matmul(qf, k.transpose(-1, -2)).view(batch, hkv, r, window, used)
+    cdt = _gemm_dtype(q)
+    k = decode_k[:, :, :used].to(cdt)
+    v = decode_v[:, :, :used].to(cdt)
+    qf = (q.reshape(batch, hkv, r * window, dim).to(torch.float32) * scale).to(cdt)  # r heads fold into M
+    scores = torch.matmul(qf, k.transpose(-1, -2)).to(torch.float32).view(batch, hkv, r, window, used)
     i = torch.arange(window, device=q.device)
     j = torch.arange(used, device=q.device)
     limit = torch.minimum(base[:, None] + i[None, :] + 1, lens[:, None])  # [B, W]

@@ -233,8 +233,12 @@ def train_model(
     distill_alpha: float = 0.5,
     distill_temp: float = 1.0,
 ) -> dict:
-    """Train on random windows of ``data``. If ``steps`` is None the total step count is fixed after
-    the warmup from the measured step time so that training fits in ``minutes``."""
+    """Train on random windows of ``data``.
+
+    With ``steps`` the cosine schedule runs over that many steps (exactly replayable).  Without it the
+    run is wall-clock budgeted (the CPUs are shared, so step time varies): linear warmup over
+    ``warmup`` steps, then cosine decay over the *time* left in ``minutes``; training stops when the
+    budget is spent and the step count reached is recorded."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
     model.train()
@@ -242,21 +246,30 @@ def train_model(
         teacher.eval()
     n = data.numel() - seq_len - 1
     total = steps
+    budget = minutes * 60.0
     t0 = time.perf_counter()
+    t_warm = None
     step = 0
     hist = []
     ema = None
     while True:
+        el = time.perf_counter() - t0
         if total is not None and step >= total:
             break
-        if total is None and step == warmup:
-            per_step = (time.perf_counter() - t0) / step
-            total = max(warmup + 1, int(minutes * 60 / per_step))
-            log(f"{name}: {per_step:.3f}s/step -> total steps fixed at {total}")
+        if total is None and step >= warmup and el >= budget:
+            break
+        if total is not None:
+            lr = lr_at(step, total, peak_lr, warmup)
+        elif step < warmup:
+            lr = lr_at(step, 10**9, peak_lr, warmup)
+        else:
+            if t_warm is None:
+                t_warm = el
+            prog = min(1.0, (el - t_warm) / max(1e-6, budget - t_warm))
+            lr = peak_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * prog)))
         starts = torch.randint(0, n, (batch,), generator=gen)
         win = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()]).long()
         x, y = win[:, :-1], win[:, 1:]
-        lr = lr_at(step, total if total is not None else 10**9, peak_lr, warmup)
         for g in opt.param_groups:
             g["lr"] = lr
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -296,6 +309,7 @@ def train_model(
         "tokens_seen": step * batch * seq_len,
         "peak_lr": peak_lr,
         "warmup": warmup,
+        "schedule": "cosine over steps" if steps is not None else f"cosine over wall clock ({minutes} min)",
         "wall_s": round(wall, 1),
         "final_ema_train_ce": round(ema, 4) if ema is not None else None,
         "bf16_autocast": bf16,

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random checkpoints (built with save_pretrained) and live deployments."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import build_checkpoint, train_tokenizer  # noqa: E402
+
+from specserve.processes import Deployment  # noqa: E402
+from specserve.v1 import coordinator_pb2_grpc  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny Llama and Qwen2 targets, unrelated random drafts, and a draft with another tokenizer."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    tokenizer = train_tokenizer()
+    other_tokenizer = train_tokenizer(vocab_size=300)
+    return {
+        "llama": build_checkpoint(root / "llama", tokenizer, "llama", seed=0),
+        "llama_draft": build_checkpoint(root / "llama_draft", tokenizer, "llama", seed=1, layers=1),
+        "qwen2": build_checkpoint(root / "qwen2", tokenizer, "qwen2", seed=2, heads=4, kv_heads=1),
+        "qwen2_draft": build_checkpoint(root / "qwen2_draft", tokenizer, "qwen2", seed=3, layers=1, kv_heads=1),
+        "mismatched_draft": build_checkpoint(root / "mismatched", other_tokenizer, "llama", seed=4, layers=1),
+    }
+
+
+@pytest.fixture(scope="session")
+def deployments(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[Callable[..., Deployment]]:
+    """Start (once per session and configuration) draft/target/coordinator processes on loopback."""
+    started: dict[tuple, Deployment] = {}
+    logs = tmp_path_factory.mktemp("logs")
+
+    def get(target: str, draft: str | None, *coordinator_args: str, model_args: tuple[str, ...] = ()) -> Deployment:
+        key = (target, draft, coordinator_args, model_args)
+        if key not in started:
+            log_dir = logs / f"d{len(started)}"
+            log_dir.mkdir()
+            started[key] = Deployment(str(checkpoints[target]), str(checkpoints[draft]) if draft else None,
+                                      model_args=list(model_args), coordinator_args=list(coordinator_args),
+                                      log_dir=log_dir).start()
+        return started[key]
+
+    yield get
+    for deployment in started.values():
+        deployment.stop()
+
+
+def coordinator_stub(address: str) -> coordinator_pb2_grpc.CoordinatorStub:
+    """A stub on a fresh channel to the coordinator."""
+    return coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(address))

@@ -1,0 +1,112 @@
+"""Greedy completions through the three gRPC services are token-for-token HF generate() on the target."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import coordinator_stub
+from hf_oracle import greedy
+from tiny_models import EOS_ID
+
+from specserve.v1 import coordinator_pb2
+
+MAX_NEW = 64
+
+
+def prompts(vocab: int = 300) -> list[list[int]]:
+    """Prompts of different lengths (1 to 40 tokens), fixed by a seed."""
+    rng = random.Random(7)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for length in (1, 5, 12, 40)]
+
+
+def eos_prompt(path, vocab: int = 300) -> list[int]:
+    """A prompt whose HF greedy continuation ends with EOS within MAX_NEW tokens (searched with a seed)."""
+    rng = random.Random(11)
+    for _ in range(400):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 20))]
+        if greedy(path, prompt, MAX_NEW, EOS_ID)[-1:] == [EOS_ID]:
+            return prompt
+    pytest.fail("no prompt with an EOS in its greedy continuation: the EOS case would go untested")
+
+
+CASES = [
+    pytest.param("llama", "llama", id="llama-draft-agrees"),
+    pytest.param("llama", "llama_draft", id="llama-random-draft"),
+    pytest.param("qwen2", "qwen2_draft", id="qwen2-mqa-random-draft"),
+    pytest.param("llama", None, id="llama-no-draft"),
+]
+
+
+@pytest.mark.parametrize(("target", "draft"), CASES)
+def test_concurrent_mixed_batch_matches_hf(deployments, checkpoints, target, draft):
+    deployment = deployments(target, draft)
+    stub = coordinator_stub(deployment.coordinator_address)
+    jobs = []
+    for i, prompt in enumerate(prompts()):
+        jobs.append((prompt, (1, 3, 8)[i % 3], MAX_NEW - 7 * i, True))
+    jobs.append((eos_prompt(checkpoints[target]), 3, MAX_NEW, False))
+
+    def run(job):
+        prompt, n, max_new, ignore_eos = job
+        request = coordinator_pb2.GenerateRequest(prompt_token_ids=prompt, n=n, max_new_tokens=max_new,
+                                                  ignore_eos=ignore_eos)
+        return stub.Generate(request, timeout=300)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        responses = list(pool.map(run, jobs))
+    for (prompt, n, max_new, ignore_eos), response in zip(jobs, responses, strict=True):
+        expected = greedy(checkpoints[target], prompt, max_new, None if ignore_eos else EOS_ID)
+        assert len(response.completions) == n
+        for completion in response.completions:
+            assert list(completion.token_ids) == expected
+            want = "length" if ignore_eos or expected[-1] != EOS_ID else "eos"
+            assert completion.finish_reason == want
+        usage = response.usage
+        assert usage.prompt_tokens == len(prompt)
+        assert usage.completion_tokens == n * len(expected)
+        assert usage.rounds >= 1
+        assert 0 <= usage.draft_tokens_accepted <= usage.draft_tokens_proposed
+        if draft is None:
+            assert usage.draft_tokens_proposed == 0
+    if draft == target:  # the draft is the target itself: almost everything is accepted
+        total = sum(r.usage.draft_tokens_proposed for r in responses)
+        assert sum(r.usage.draft_tokens_accepted for r in responses) >= 0.9 * total
+
+
+def test_stream_equals_unary(deployments):
+    deployment = deployments("llama", "llama_draft")
+    stub = coordinator_stub(deployment.coordinator_address)
+    request = coordinator_pb2.GenerateRequest(prompt="def area(radius):", n=3, max_new_tokens=24, ignore_eos=True)
+    unary = stub.Generate(request, timeout=120)
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    texts: dict[int, str] = {0: "", 1: "", 2: ""}
+    reasons: dict[int, str] = {}
+    chunks = list(stub.GenerateStream(request, timeout=120))
+    for chunk in chunks[:-1]:
+        tokens[chunk.index] += chunk.token_ids
+        texts[chunk.index] += chunk.text
+        if chunk.finish_reason:
+            reasons[chunk.index] = chunk.finish_reason
+    assert chunks[-1].usage.completion_tokens == unary.usage.completion_tokens
+    assert len(chunks) > 4  # tokens arrive round by round, not at the end
+    for completion in unary.completions:
+        assert tokens[completion.index] == list(completion.token_ids)
+        assert texts[completion.index] == completion.text
+        assert reasons[completion.index] == completion.finish_reason == "length"
+
+
+def test_stop_string_truncates(deployments):
+    deployment = deployments("llama", "llama_draft")
+    stub = coordinator_stub(deployment.coordinator_address)
+    base = coordinator_pb2.GenerateRequest(prompt="import os\n", max_new_tokens=40, ignore_eos=True)
+    full = stub.Generate(base, timeout=120).completions[0]
+    stop = full.text[10:13]
+    assert stop, "the greedy text is too short to cut"
+    request = coordinator_pb2.GenerateRequest(prompt="import os\n", max_new_tokens=40, ignore_eos=True, stop=[stop])
+    cut = stub.Generate(request, timeout=120).completions[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert list(cut.token_ids) == list(full.token_ids[: len(cut.token_ids)])
+    assert len(cut.token_ids) < len(full.token_ids)
