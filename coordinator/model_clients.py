@@ -14,6 +14,8 @@ from specserve.grpc_server import CHANNEL_OPTIONS
 from specserve.tls import TLSFiles
 from specserve.v1 import model_pb2, model_pb2_grpc
 
+SERVICE_OF_ROLE = {"draft": "specserve.v1.DraftModel", "target": "specserve.v1.TargetModel"}
+
 
 class IncompatibleModels(RuntimeError):
     """The draft and target cannot be paired (different tokenizers or vocabularies)."""
@@ -28,6 +30,27 @@ class ModelEndpoint:
     channel: grpc.aio.Channel
     stub: Any
     info: model_pb2.ModelInfo
+    healthy: bool = True
+    batches: int = 0  # running batches pinned to this replica
+
+    @property
+    def service(self) -> str:
+        """The gRPC service name of the role."""
+        return SERVICE_OF_ROLE[self.role]
+
+    async def check_health(self, timeout_s: float = 1.0) -> bool:
+        """Ask the replica's health service; updates and returns ``healthy``."""
+        try:
+            reply = await health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(service=self.service), timeout=timeout_s)
+            self.healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            self.healthy = False
+        return self.healthy
+
+    async def stats(self, timeout_s: float = 5.0) -> model_pb2.ModelStats:
+        """Batches, sequences and KV bytes the replica holds now."""
+        return await self.stub.Stats(model_pb2.StatsRequest(), timeout=timeout_s)
 
     async def close(self) -> None:
         """Close the channel."""
@@ -48,7 +71,7 @@ async def connect(address: str, role: str, tls: TLSFiles, wait_s: float) -> Mode
     """
     channel = open_aio_channel(address, tls)
     stub_class = model_pb2_grpc.DraftModelStub if role == "draft" else model_pb2_grpc.TargetModelStub
-    service = "specserve.v1.DraftModel" if role == "draft" else "specserve.v1.TargetModel"
+    service = SERVICE_OF_ROLE[role]
     health = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + wait_s
     last_error = "no answer"

@@ -1,32 +1,39 @@
-"""Continuous batching and the speculative round loop.
+"""Continuous batching and the speculative round loop of one target replica.
 
-One running batch (held by id on the draft and target services). At every round boundary waiting
-requests join (their prompts prefilled once per group on both services) and finished sequences leave
-(released on the services through the next call). Each round: the draft proposes k tokens for every
-live sequence, the target verifies them all in one pass, accepted tokens stream to the clients.
-Without a draft (or while the draft is failing) a round is a plain batched decoding step.
+One running batch, held by id on the target replica and on one draft replica pinned to it. At every
+round boundary waiting requests join (their prompts prefilled once per group on both services) and
+finished sequences leave (released through the next call). Each round: the draft proposes k tokens for
+every live sequence, the target verifies them all in one pass, accepted tokens stream to the clients.
+
+Failures: a failing draft is dropped from the batch (plain decoding on the target continues, greedy
+output unchanged) and re-joins when healthy, catching up on the tokens it missed. A failing target
+fails its running requests with UNAVAILABLE, or hands them to another replica when nothing reached the
+client yet; queued requests wait for the target to come back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
-from coordinator.completion import Delta, SampleOutput
 from coordinator.draft_length import DraftLength
 from coordinator.model_clients import ModelEndpoint
-from coordinator.text import TextCodec
-from coordinator.validation import GenerationSpec
+from coordinator.replicas import ReplicaPool
+from coordinator.request import Request
 from specserve.model_service import sampling_to_proto
-from specserve.v1 import coordinator_pb2, model_pb2
+from specserve.v1 import model_pb2
 
 log = logging.getLogger(__name__)
+
+RETRYABLE_PREFILL = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND)
+CLIENT_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class QueueFull(RuntimeError):
@@ -38,72 +45,36 @@ class SchedulerConfig:
     """Batching bounds and model-call settings."""
 
     max_batch_sequences: int = 64
+    max_batch_tokens: int = 0  # prompt + max_new_tokens summed over the batch's sequences; 0 = unbounded
     max_queue: int = 256
     model_timeout_s: float = 60.0
     draft_timeout_s: float = 10.0
     release_timeout_s: float = 5.0
-
-
-@dataclass
-class Request:
-    """A client request in flight: its samples, usage, and the events its handler waits on."""
-
-    spec: GenerationSpec
-    group_id: int
-    samples: list[SampleOutput]
-    stream: bool
-    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    usage: coordinator_pb2.Usage = field(default_factory=coordinator_pb2.Usage)
-    error: tuple[grpc.StatusCode, str] | None = None
-
-    @property
-    def finished(self) -> bool:
-        """True when every sample has finished."""
-        return all(s.finished for s in self.samples)
-
-    def emit(self, sample: SampleOutput, delta: Delta) -> None:
-        """Queue a stream chunk for a sample's new tokens (streaming requests only)."""
-        if self.stream and (delta.token_ids or delta.finish_reason):
-            self.chunks.put_nowait(coordinator_pb2.GenerateChunk(
-                index=sample.index, token_ids=delta.token_ids, text=delta.text,
-                finish_reason=delta.finish_reason))
-
-    def complete(self, error: tuple[grpc.StatusCode, str] | None = None) -> None:
-        """Mark the request done (with an error status, or successfully)."""
-        if self.done.is_set():
-            return
-        self.error = error
-        self.usage.prompt_tokens = len(self.spec.prompt_token_ids)
-        self.usage.completion_tokens = sum(len(s.token_ids) for s in self.samples)
-        self.done.set()
-        if self.stream:
-            self.chunks.put_nowait(None)
+    probe_period_s: float = 1.0
 
 
 class Scheduler:
-    """Owns the running batch and drives rounds between the draft and target services."""
+    """Owns one target replica's running batch and drives its rounds."""
 
-    def __init__(self, target: ModelEndpoint, draft: ModelEndpoint | None, codec: TextCodec,
-                 draft_length: DraftLength, config: SchedulerConfig) -> None:
+    def __init__(self, target: ModelEndpoint, drafts: ReplicaPool | None, draft_length: DraftLength,
+                 config: SchedulerConfig, reroute: Callable[[Request, Scheduler], bool]) -> None:
         self.target = target
-        self.draft = draft
-        self.codec = codec
+        self.drafts = drafts
         self.draft_length = draft_length
         self.config = config
-        self.eos = frozenset(target.info.eos_token_ids)
-        self._ids = itertools.count(1)
+        self.reroute = reroute
+        self.removed = False
+        self.draft: ModelEndpoint | None = None
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
-        self._samples: dict[int, tuple[Request, SampleOutput]] = {}
+        self._samples: dict[int, tuple[Request, object]] = {}
         self._updates: dict[int, tuple[int, int]] = {}
-        self._held: set[int] = set()  # sequence ids the services hold for this batch
+        self._catch_up: dict[int, list[int]] = {}
+        self._held: set[int] = set()
+        self._batch_tokens = 0
         self._wake = asyncio.Event()
-        self._new_batch()
-
-    def _new_batch(self) -> None:
+        self._last_probe = 0.0
         self.batch_id = uuid.uuid4().hex
-        self.batch_uses_draft = self.draft is not None
 
     # -- public ---------------------------------------------------------------------------------------
     @property
@@ -112,23 +83,20 @@ class Scheduler:
         return len(self._waiting)
 
     @property
-    def running_sequences(self) -> int:
-        """Sequences in the running batch."""
-        return len(self._held)
+    def load(self) -> int:
+        """Sequences running plus sequences waiting: what the router balances."""
+        return len(self._held) + sum(r.spec.n for r in self._waiting)
 
-    def submit(self, spec: GenerationSpec, stream: bool) -> Request:
+    def enqueue(self, request: Request, front: bool = False) -> None:
         """Queue a request; raises QueueFull when the waiting queue is at its bound."""
-        if len(self._waiting) >= self.config.max_queue:
+        if not front and len(self._waiting) >= self.config.max_queue:
             raise QueueFull(f"the coordinator queue is full ({self.config.max_queue} requests waiting); "
                             "retry after a short backoff")
-        group_id = next(self._ids)
-        samples = [SampleOutput(index=i, sequence_id=next(self._ids), max_new_tokens=spec.max_new_tokens,
-                                eos_token_ids=frozenset() if spec.ignore_eos else self.eos, stop=spec.stop,
-                                codec=self.codec) for i in range(spec.n)]
-        request = Request(spec=spec, group_id=group_id, samples=samples, stream=stream)
-        self._waiting.append(request)
+        if front:
+            self._waiting.appendleft(request)
+        else:
+            self._waiting.append(request)
         self._wake.set()
-        return request
 
     def cancel(self, request: Request) -> None:
         """Stop a request (client cancelled or deadline passed): its sequences leave at the next round."""
@@ -137,99 +105,198 @@ class Scheduler:
         for sample in request.samples:
             sample.finish("cancelled")
         request.complete((grpc.StatusCode.CANCELLED, "cancelled by the client"))
+        self._wake.set()
+
+    def retire(self) -> list[Request]:
+        """Stop after the current round (the replica left); returns the queued requests to re-place."""
+        self.removed = True
+        self._wake.set()
+        waiting, self._waiting = list(self._waiting), deque()
+        return waiting
 
     async def run(self) -> None:
-        """The round loop; runs until cancelled."""
-        while True:
+        """The round loop; runs until the replica is removed or the task is cancelled."""
+        while not self.removed:
+            if not self.target.healthy:
+                await asyncio.sleep(self.config.probe_period_s / 2)
+                await self.target.check_health()
+                continue
+            self._running = [r for r in self._running if not r.done.is_set()]
             if not self._waiting and not self._running:
                 await self._end_batch()
-                self._wake.clear()
-                await self._wake.wait()
+                if not self._waiting:  # no await between this check and clear(): no lost wake-up
+                    self._wake.clear()
+                    await self._wake.wait()
+                continue
             await self._admit()
-            if any(not s.finished for r in self._running for s in r.samples):
+            if self._live():
+                await self._rejoin_draft()
                 await self._round()
-            else:
-                self._running = [r for r in self._running if not r.done.is_set()]
-                if not self._waiting:
-                    await self._end_batch()
+            elif not self._waiting:
+                await self._end_batch()
             await asyncio.sleep(0)
+        await self._fail_running((grpc.StatusCode.UNAVAILABLE, f"target replica {self.target.address} was removed"))
 
     # -- batch membership -----------------------------------------------------------------------------
-    def _group_spec(self, request: Request) -> model_pb2.GroupSpec:
-        spec = request.spec
-        return model_pb2.GroupSpec(group_id=request.group_id, prompt_token_ids=spec.prompt_token_ids,
-                                   sequence_ids=[s.sequence_id for s in request.samples],
-                                   sampling=sampling_to_proto(spec.sampling), max_new_tokens=spec.max_new_tokens)
+    def _live(self) -> list[int]:
+        return [s.sequence_id for r in self._running for s in r.samples if s.sequence_id in self._held]
+
+    @staticmethod
+    def _tokens(request: Request) -> int:
+        return request.spec.n * (len(request.spec.prompt_token_ids) + request.spec.max_new_tokens)
+
+    def _fits(self, request: Request, seats: int, tokens: int, first: bool) -> bool:
+        if first:  # an empty batch always takes the next request (validation bounds n and lengths)
+            return True
+        token_cap = self.config.max_batch_tokens
+        return request.spec.n <= seats and (not token_cap or self._tokens(request) <= tokens)
 
     async def _admit(self) -> None:
         admitted: list[Request] = []
         seats = self.config.max_batch_sequences - len(self._held)
-        while self._waiting and (self._waiting[0].spec.n <= seats or not (self._held or admitted)):
+        tokens = self.config.max_batch_tokens - self._batch_tokens
+        while self._waiting and self._fits(self._waiting[0], seats, tokens, not (self._held or admitted)):
             request = self._waiting.popleft()
             seats -= request.spec.n
+            tokens -= self._tokens(request)
             admitted.append(request)
-        if admitted:
-            await asyncio.gather(*(self._prefill(r) for r in admitted))
+        if not admitted:
+            return
+        if not self._held and self.draft is None and self.drafts is not None:
+            self._pin_draft(self.drafts.least_loaded())
+        await asyncio.gather(*(self._prefill(r) for r in admitted))
+
+    def _pin_draft(self, draft: ModelEndpoint | None) -> None:
+        self.draft = draft
+        if draft is not None:
+            draft.batches += 1
+
+    def _group_spec(self, request: Request, sequence_ids: list[int]) -> model_pb2.GroupSpec:
+        spec = request.spec
+        return model_pb2.GroupSpec(group_id=request.group_id, prompt_token_ids=spec.prompt_token_ids,
+                                   sequence_ids=sequence_ids, sampling=sampling_to_proto(spec.sampling),
+                                   max_new_tokens=spec.max_new_tokens)
+
+    def _timeout(self, request: Request, limit: float) -> float:
+        if request.deadline is None:
+            return limit
+        return max(0.01, min(limit, request.deadline - time.monotonic()))
 
     async def _prefill(self, request: Request) -> None:
-        prefill = model_pb2.PrefillRequest(batch_id=self.batch_id, groups=[self._group_spec(request)])
-        timeout = self.config.model_timeout_s
-        calls = [self.target.stub.Prefill(prefill, timeout=timeout)]
-        if self.batch_uses_draft:
-            calls.append(self.draft.stub.Prefill(prefill, timeout=self.config.draft_timeout_s))
+        ids = [s.sequence_id for s in request.samples]
+        prefill = model_pb2.PrefillRequest(batch_id=self.batch_id, groups=[self._group_spec(request, ids)])
+        calls = [self.target.stub.Prefill(prefill, timeout=self._timeout(request, self.config.model_timeout_s))]
+        draft = self.draft
+        if draft is not None:
+            calls.append(draft.stub.Prefill(prefill, timeout=self._timeout(request, self.config.draft_timeout_s)))
         target_result, *draft_result = await asyncio.gather(*calls, return_exceptions=True)
         if isinstance(target_result, BaseException):
-            request.complete(self._status(target_result, self.target))
             if draft_result and not isinstance(draft_result[0], BaseException):
-                await self._release_quietly(self.draft, [s.sequence_id for s in request.samples])
+                await self._release_quietly(draft, ids)
+            self._prefill_failed(request, target_result)
             return
         if draft_result and isinstance(draft_result[0], BaseException):
             self._drop_draft(draft_result[0])
+        request.admitted = time.monotonic()
         by_id = {s.sequence_id: s for s in request.samples}
         for token in target_result.first_tokens:
             sample = by_id[token.sequence_id]
             self._samples[token.sequence_id] = (request, sample)
-            request.emit(sample, sample.extend([token.token_id]))
             self._updates[token.sequence_id] = (0, token.token_id)
             self._held.add(token.sequence_id)
+            request.record(sample, sample.extend([token.token_id]))
+        self._batch_tokens += self._tokens(request)
         self._running.append(request)
-        self._finish_if_done(request)
-
-    def _finish_if_done(self, request: Request) -> None:
-        if request.finished and not request.done.is_set():
+        if request.finished:
             request.complete()
 
-    def _drop_draft(self, error: BaseException) -> None:
-        if self.batch_uses_draft:
-            log.warning("draft service failed (%s); decoding this batch with the target alone", error)
-        self.batch_uses_draft = False
+    def _prefill_failed(self, request: Request, error: BaseException) -> None:
+        code = error.code() if isinstance(error, grpc.aio.AioRpcError) else grpc.StatusCode.INTERNAL
+        if request.done.is_set():
+            return
+        if code in CLIENT_ERRORS:
+            request.complete((code, error.details() or code.name))
+        elif code in RETRYABLE_PREFILL and not (request.deadline and time.monotonic() > request.deadline):
+            log.warning("target %s failed a prefill (%s); the request waits for it", self.target.address, code.name)
+            self.target.healthy = False
+            if not self.reroute(request, self):
+                self.enqueue(request, front=True)
+        else:
+            request.complete(self._status(error, self.target))
 
-    async def _release_quietly(self, endpoint: ModelEndpoint, sequence_ids: list[int]) -> None:
+    def _drop_draft(self, error: BaseException) -> None:
+        if self.draft is not None:
+            log.warning("draft %s failed (%s); batch continues on the target alone", self.draft.address, error)
+            self.draft.healthy = False
+            self.draft.batches -= 1
+            self.draft = None
+            self._catch_up.clear()
+
+    async def _rejoin_draft(self) -> None:
+        """While the batch runs without a draft, probe the drafts; re-prefill a healthy one and let it
+        catch up on the tokens each live sequence generated meanwhile (in its next Propose)."""
+        if self.drafts is None or self.draft is not None:
+            return
+        now = time.monotonic()
+        if now - self._last_probe < self.config.probe_period_s:
+            return
+        self._last_probe = now
+        await asyncio.gather(*(e.check_health() for e in self.drafts.endpoints.values()))
+        draft = self.drafts.least_loaded()
+        if draft is None:
+            return
+        await self._release_quietly(draft, [])
+        groups = []
+        for request in self._running:
+            ids = [s.sequence_id for s in request.samples if s.sequence_id in self._held]
+            if ids:
+                groups.append(self._group_spec(request, ids))
+        try:
+            await draft.stub.Prefill(model_pb2.PrefillRequest(batch_id=self.batch_id, groups=groups),
+                                     timeout=self.config.draft_timeout_s)
+        except grpc.aio.AioRpcError as error:
+            draft.healthy = False
+            log.info("draft %s not ready to re-join: %s", draft.address, error.code().name)
+            return
+        self._pin_draft(draft)
+        for sid in self._held:
+            tokens = self._samples[sid][1].token_ids
+            self._updates[sid] = (0, tokens[-1])
+            self._catch_up[sid] = tokens[:-1]
+        log.info("draft %s re-joined batch %s", draft.address, self.batch_id)
+
+    async def _release_quietly(self, endpoint: ModelEndpoint | None, sequence_ids: list[int]) -> None:
+        if endpoint is None:
+            return
         try:
             await endpoint.stub.Release(model_pb2.ReleaseRequest(batch_id=self.batch_id, sequence_ids=sequence_ids),
                                         timeout=self.config.release_timeout_s)
         except grpc.aio.AioRpcError as error:
-            log.warning("release on %s service failed: %s", endpoint.role, error.details())
+            log.info("release on %s %s failed: %s", endpoint.role, endpoint.address, error.code().name)
 
     async def _end_batch(self) -> None:
-        """Release the whole batch on both services and start a fresh one."""
-        if not self._held and not self._samples:
+        """Release the whole batch on the target and its draft, unpin the draft, start a fresh batch."""
+        if not self._held and not self._samples and self.draft is None:
             return
-        endpoints = [self.target] + ([self.draft] if self.draft is not None else [])
-        await asyncio.gather(*(self._release_quietly(e, []) for e in endpoints))
+        await asyncio.gather(self._release_quietly(self.target, []), self._release_quietly(self.draft, []))
+        if self.draft is not None:
+            self.draft.batches -= 1
+            self.draft = None
         self._samples.clear()
         self._updates.clear()
+        self._catch_up.clear()
         self._held.clear()
+        self._batch_tokens = 0
         self._running = [r for r in self._running if not r.done.is_set()]
-        self._new_batch()
+        self.batch_id = uuid.uuid4().hex
 
     @staticmethod
     def _status(error: BaseException, endpoint: ModelEndpoint) -> tuple[grpc.StatusCode, str]:
         if isinstance(error, grpc.aio.AioRpcError):
             code = error.code()
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            if code in CLIENT_ERRORS:
                 return code, error.details() or code.name
-            return grpc.StatusCode.UNAVAILABLE, (f"{endpoint.role} service at {endpoint.address} failed: "
+            return grpc.StatusCode.UNAVAILABLE, (f"{endpoint.role} replica {endpoint.address} failed: "
                                                  f"{code.name}: {error.details()}")
         return grpc.StatusCode.INTERNAL, f"{endpoint.role} call failed: {error}"
 
@@ -238,19 +305,24 @@ class Scheduler:
         finished_ids = [sid for sid in self._held if self._samples[sid][1].finished]
         self._held.difference_update(finished_ids)
         for sid in finished_ids:
+            request, _ = self._samples[sid]
             self._updates.pop(sid, None)
-        live = [sid for r in self._running for s in r.samples
-                if (sid := s.sequence_id) in self._held]
-        timeout = self.config.model_timeout_s
-        k = self.draft_length.k if self.batch_uses_draft else 0
+            self._catch_up.pop(sid, None)
+            if all(s.sequence_id not in self._held for s in request.samples):
+                self._batch_tokens -= self._tokens(request)
+        live = self._live()
+        draft = self.draft
+        k = self.draft_length.k if draft is not None else 0
         proposals = [model_pb2.Proposal(sequence_id=sid) for sid in live]
-        if self.batch_uses_draft:
-            propose = model_pb2.ProposeRequest(
-                batch_id=self.batch_id, draft_len=k, release_sequence_ids=finished_ids,
-                updates=[model_pb2.SequenceUpdate(sequence_id=sid, accepted_len=self._updates[sid][0],
-                                                  next_token_id=self._updates[sid][1]) for sid in live])
+        if draft is not None:
+            updates = [model_pb2.SequenceUpdate(sequence_id=sid, accepted_len=self._updates[sid][0],
+                                                next_token_id=self._updates[sid][1],
+                                                catch_up_token_ids=self._catch_up.pop(sid, []))
+                       for sid in live]
+            propose = model_pb2.ProposeRequest(batch_id=self.batch_id, draft_len=k, updates=updates,
+                                               release_sequence_ids=finished_ids)
             try:
-                reply = await self.draft.stub.Propose(propose, timeout=self.config.draft_timeout_s)
+                reply = await draft.stub.Propose(propose, timeout=self.config.draft_timeout_s)
                 proposals = list(reply.proposals)
             except grpc.aio.AioRpcError as error:
                 self._drop_draft(error)
@@ -258,8 +330,9 @@ class Scheduler:
         verify = model_pb2.VerifyRequest(batch_id=self.batch_id, proposals=proposals,
                                          release_sequence_ids=finished_ids)
         try:
-            verdicts = (await self.target.stub.Verify(verify, timeout=timeout)).verdicts
+            verdicts = (await self.target.stub.Verify(verify, timeout=self.config.model_timeout_s)).verdicts
         except grpc.aio.AioRpcError as error:
+            self.target.healthy = False
             await self._fail_running(self._status(error, self.target))
             return
         self._apply(proposals, verdicts, k)
@@ -271,7 +344,6 @@ class Scheduler:
         for verdict in verdicts:
             request, sample = self._samples[verdict.sequence_id]
             tokens = proposed[verdict.sequence_id]
-            accepted = tokens[: verdict.accepted_len] + [verdict.next_token_id]
             accepted_lens.append(verdict.accepted_len)
             self._updates[verdict.sequence_id] = (verdict.accepted_len, verdict.next_token_id)
             request.usage.draft_tokens_proposed += len(tokens)
@@ -279,16 +351,24 @@ class Scheduler:
             if id(request) not in counted:
                 counted.add(id(request))
                 request.usage.rounds += 1
-            request.emit(sample, sample.extend(accepted))
+            request.record(sample, sample.extend(tokens[: verdict.accepted_len] + [verdict.next_token_id]))
         for request in self._running:
-            self._finish_if_done(request)
+            if request.finished:
+                request.complete()
         self.draft_length.update(k, accepted_lens)
 
     async def _fail_running(self, status: tuple[grpc.StatusCode, str]) -> None:
-        """Fail every running request with ``status`` and start a fresh batch; waiting requests stay queued."""
-        log.error("round failed: %s", status[1])
+        """Hand running requests that sent nothing to the client yet to another replica, fail the rest
+        with ``status``, and start a fresh batch; queued requests stay queued."""
+        if self._running:
+            log.error("batch %s failed: %s", self.batch_id, status[1])
         for request in self._running:
+            if request.done.is_set():
+                continue
+            if not request.streamed and self.reroute(request, self):
+                continue
             for sample in request.samples:
                 sample.finish("error")
             request.complete(status)
+        self._running = []
         await self._end_batch()

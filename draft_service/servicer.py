@@ -19,7 +19,8 @@ class DraftServicer(ModelServicer, model_pb2_grpc.DraftModelServicer):
     def Propose(self, request: model_pb2.ProposeRequest, context: grpc.ServicerContext  # noqa: N802
                 ) -> model_pb2.ProposeResponse:
         runtime: DraftRuntime = self._ready(context)
-        updates = {u.sequence_id: (u.accepted_len, u.next_token_id) for u in request.updates}
+        updates = {u.sequence_id: (u.accepted_len, u.next_token_id, list(u.catch_up_token_ids))
+                   for u in request.updates}
         proposals = runtime.propose(request.batch_id, updates, request.draft_len, request.release_sequence_ids)
         return model_pb2.ProposeResponse(
             proposals=[

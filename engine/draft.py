@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,12 +22,14 @@ class DraftProposal:
     distributions: list[CompactDistribution]
 
 
-def apply_verdict(state: SequenceState, accepted_len: int, next_token: int) -> None:
+def apply_verdict(state: SequenceState, accepted_len: int, next_token: int,
+                  catch_up: Sequence[int] = ()) -> None:
     """Roll the sequence back to the accepted prefix of its last proposal and queue the target's token.
 
     While proposing k tokens the draft cached all but the last, so after ``accepted_len`` acceptances
     the cache keeps min(accepted_len, k - 1) of them and the rest of the accepted tokens, plus the
-    target's ``next_token``, become pending (no extra round trip for the rollback).
+    target's ``next_token``, become pending (no extra round trip for the rollback). ``catch_up`` tokens
+    (a sequence re-joining a draft that missed rounds) are queued before ``next_token``.
     """
     proposed = state.proposed
     if not 0 <= accepted_len <= len(proposed):
@@ -37,9 +39,9 @@ def apply_verdict(state: SequenceState, accepted_len: int, next_token: int) -> N
         cached = len(proposed) - 1
         keep = min(accepted_len, cached)
         state.decoded -= cached - keep
-        state.pending = proposed[keep:accepted_len] + [next_token]
+        state.pending = proposed[keep:accepted_len] + list(catch_up) + [next_token]
     else:
-        state.pending = state.pending + [next_token]
+        state.pending = state.pending + list(catch_up) + [next_token]
     state.proposed = []
 
 
@@ -48,10 +50,10 @@ class DraftRuntime(ModelRuntime):
 
     role = "draft"
 
-    def propose(self, batch_id: str, updates: dict[int, tuple[int, int]], draft_len: int,
+    def propose(self, batch_id: str, updates: dict[int, tuple[int, int, Sequence[int]]], draft_len: int,
                 release: Iterable[int] = ()) -> list[DraftProposal]:
-        """Apply last round's verdicts {sequence id: (accepted_len, next_token)} (every live sequence
-        once), then propose ``draft_len`` tokens for each sequence.
+        """Apply last round's verdicts {sequence id: (accepted_len, next_token, catch-up tokens)} (every
+        live sequence once), then propose ``draft_len`` tokens for each sequence.
 
         Sampling sequences draw each token from the compact distribution returned with it, so the
         target's rejection sampling against it is exact. Proposals come back in row order.
@@ -63,11 +65,12 @@ class DraftRuntime(ModelRuntime):
             batch = self.get_batch(batch_id)
             self.release_in_batch(batch, release)
             verdicts = batch.in_row_order(updates, "updates")
-            for _, token in verdicts:
-                if not 0 <= token < vocab:
-                    raise InvalidInput(f"next_token_id {token} outside the vocabulary [0, {vocab})")
-            for state, (accepted, token) in zip(batch.sequences, verdicts, strict=True):
-                apply_verdict(state, accepted, token)
+            for _, token, catch_up in verdicts:
+                bad = [t for t in (token, *catch_up) if not 0 <= t < vocab]
+                if bad:
+                    raise InvalidInput(f"update token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+            for state, (accepted, token, catch_up) in zip(batch.sequences, verdicts, strict=True):
+                apply_verdict(state, accepted, token, catch_up)
             states = batch.sequences
             proposals = [DraftProposal(s.sequence_id, [], []) for s in states]
             if draft_len == 0 or not states:

@@ -61,10 +61,16 @@ class ModelRuntime:
         with self.lock:
             return sum(b.kv.nbytes() for b in self.batches.values())
 
-    def sequence_count(self) -> int:
-        """Live sequences across all batches."""
+    def stats(self) -> dict[str, int]:
+        """Batches, live sequences, KV bytes held and reserved, and the budget (0 = unbounded)."""
         with self.lock:
-            return sum(len(b.sequences) for b in self.batches.values())
+            return {
+                "batches": len(self.batches),
+                "sequences": sum(len(b.sequences) for b in self.batches.values()),
+                "kv_bytes": sum(b.kv.nbytes() for b in self.batches.values()),
+                "kv_reserved_bytes": sum(sum(r.values()) for r in self._reserved.values()),
+                "kv_budget_bytes": self.kv_budget_bytes or 0,
+            }
 
     # -- batches -----------------------------------------------------------------------------------
     def _new_layout(self) -> KVLayout:

@@ -74,6 +74,12 @@ class ModelServicer:
         )
 
     @grpc_errors
+    def Stats(self, request: model_pb2.StatsRequest, context: grpc.ServicerContext  # noqa: N802
+              ) -> model_pb2.ModelStats:
+        runtime: ModelRuntime = self._ready(context)
+        return model_pb2.ModelStats(**runtime.stats())
+
+    @grpc_errors
     def Release(self, request: model_pb2.ReleaseRequest, context: grpc.ServicerContext  # noqa: N802
                 ) -> model_pb2.ReleaseResponse:
         runtime: ModelRuntime = self._ready(context)

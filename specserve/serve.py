@@ -18,6 +18,8 @@ def _common(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--tls-ca", help="PEM CA: peers must present certificates it signed (mutual TLS); "
                                          "also the CA this process trusts when calling other services")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus metrics over HTTP on this port (0 = off)")
 
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
@@ -33,10 +35,14 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="HOST:PORT of the target service")
-    parser.add_argument("--draft", help="HOST:PORT of the draft service; without it, plain batched decoding")
+    spec = "host:port[,host:port...], dns:///HOST:PORT (headless Service) or k8s:///NAMESPACE/SERVICE:PORT"
+    parser.add_argument("--target", required=True, help=f"target replicas: {spec}")
+    parser.add_argument("--draft", help=f"draft replicas ({spec}); without it, plain batched decoding")
     parser.add_argument("--max-n", type=int, default=64, help="largest n a request may ask for")
     parser.add_argument("--max-batch-sequences", type=int, default=64, help="sequences in the running batch")
+    parser.add_argument("--max-batch-tokens", type=int, default=0,
+                        help="bound on prompt + max_new_tokens summed over the batch's sequences (0 = none)")
+    parser.add_argument("--auth-token-file", help="file holding the bearer token clients must send")
     parser.add_argument("--max-queue", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED")
     parser.add_argument("--draft-len", type=int, default=4, help="initial draft length k")
     parser.add_argument("--max-draft-len", type=int, default=8, help="upper bound of the adaptive draft length")

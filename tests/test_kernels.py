@@ -87,7 +87,9 @@ def make_case(
         base = torch.randint(0, capacity - window + 1, (batch,), generator=gen)
         base[0] = 0
         base[-1] = capacity - window  # a full cache
-        lens = base + window
+        # this row's window length: W for most rows, shorter (padded queries) for some when W > 1
+        lens = base + torch.where(torch.rand(batch, generator=gen) < 0.7, window,
+                                  torch.randint(1, window + 1, (batch,), generator=gen))
     return Case(
         q=rnd(batch, hq, window, head_dim),
         prefix_k=rnd(kv_heads, ptot, head_dim),

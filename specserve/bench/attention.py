@@ -34,12 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["torch", "triton"], default=None,
                         help="bifurcated backend (default: triton with CUDA, else torch)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
 def run_attention_bench(args: argparse.Namespace) -> dict[str, object]:
     """Run the benchmark described by ``args`` and return the result record (medians in seconds)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     backend = args.backend or ("triton" if device.type == "cuda" else "torch")
     if backend == "triton" and device.type == "cpu":

@@ -53,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--max-kv-gib", type=float, default=12.0,
                         help="skip points whose expanded KV cache would exceed this many GiB")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--plot", default=None, help="write a PNG plot (latency vs n) to this path")
@@ -228,6 +229,8 @@ def run_point(
 
 def run_decode_bench(args: argparse.Namespace) -> dict[str, object]:
     """Run every (n, context) point of ``args`` and return the result record (medians in seconds)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     backend = args.backend or ("triton" if device.type == "cuda" else "torch")
     if backend == "triton" and device.type == "cpu":

@@ -72,6 +72,8 @@ def host_info() -> dict[str, object]:
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
+    if hasattr(os, "getloadavg"):
+        info["loadavg_1m"] = round(os.getloadavg()[0], 2)  # other load on the machine while measuring
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info

@@ -83,14 +83,16 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_tokens: _Optional[_Iterable[_Union[SequenceToken, _Mapping]]] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("sequence_id", "accepted_len", "next_token_id")
+    __slots__ = ("sequence_id", "accepted_len", "next_token_id", "catch_up_token_ids")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CATCH_UP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     accepted_len: int
     next_token_id: int
-    def __init__(self, sequence_id: _Optional[int] = ..., accepted_len: _Optional[int] = ..., next_token_id: _Optional[int] = ...) -> None: ...
+    catch_up_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence_id: _Optional[int] = ..., accepted_len: _Optional[int] = ..., next_token_id: _Optional[int] = ..., catch_up_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("batch_id", "updates", "draft_len", "release_sequence_ids")
@@ -171,3 +173,21 @@ class ReleaseResponse(_message.Message):
     RELEASED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     released_sequences: int
     def __init__(self, released_sequences: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelStats(_message.Message):
+    __slots__ = ("batches", "sequences", "kv_bytes", "kv_reserved_bytes", "kv_budget_bytes")
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    batches: int
+    sequences: int
+    kv_bytes: int
+    kv_reserved_bytes: int
+    kv_budget_bytes: int
+    def __init__(self, batches: _Optional[int] = ..., sequences: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_reserved_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ...) -> None: ...

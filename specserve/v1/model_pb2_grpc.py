@@ -62,6 +62,11 @@ class DraftModelStub:
                 request_serializer=specserve_dot_v1_dot_model__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_model__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/specserve.v1.DraftModel/Stats',
+                request_serializer=specserve_dot_v1_dot_model__pb2.StatsRequest.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_model__pb2.ModelStats.FromString,
+                _registered_method=True)
 
 
 class DraftModelServicer:
@@ -102,6 +107,12 @@ class DraftModelServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftModelServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +135,11 @@ def add_DraftModelServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=specserve_dot_v1_dot_model__pb2.ReleaseRequest.FromString,
                     response_serializer=specserve_dot_v1_dot_model__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=specserve_dot_v1_dot_model__pb2.StatsRequest.FromString,
+                    response_serializer=specserve_dot_v1_dot_model__pb2.ModelStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -252,6 +268,33 @@ class DraftModel:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specserve.v1.DraftModel/Stats',
+            specserve_dot_v1_dot_model__pb2.StatsRequest.SerializeToString,
+            specserve_dot_v1_dot_model__pb2.ModelStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class TargetModelStub:
     """Missing associated documentation comment in .proto file."""
@@ -281,6 +324,11 @@ class TargetModelStub:
                 '/specserve.v1.TargetModel/Release',
                 request_serializer=specserve_dot_v1_dot_model__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=specserve_dot_v1_dot_model__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/specserve.v1.TargetModel/Stats',
+                request_serializer=specserve_dot_v1_dot_model__pb2.StatsRequest.SerializeToString,
+                response_deserializer=specserve_dot_v1_dot_model__pb2.ModelStats.FromString,
                 _registered_method=True)
 
 
@@ -315,6 +363,12 @@ class TargetModelServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetModelServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -337,6 +391,11 @@ def add_TargetModelServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=specserve_dot_v1_dot_model__pb2.ReleaseRequest.FromString,
                     response_serializer=specserve_dot_v1_dot_model__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=specserve_dot_v1_dot_model__pb2.StatsRequest.FromString,
+                    response_serializer=specserve_dot_v1_dot_model__pb2.ModelStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -447,6 +506,33 @@ class TargetModel:
             '/specserve.v1.TargetModel/Release',
             specserve_dot_v1_dot_model__pb2.ReleaseRequest.SerializeToString,
             specserve_dot_v1_dot_model__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specserve.v1.TargetModel/Stats',
+            specserve_dot_v1_dot_model__pb2.StatsRequest.SerializeToString,
+            specserve_dot_v1_dot_model__pb2.ModelStats.FromString,
             options,
             channel_credentials,
             insecure,

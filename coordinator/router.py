@@ -1,0 +1,155 @@
+"""Routes requests across target replicas: one Scheduler (one running batch) per target replica.
+
+New requests go to the healthy replica with the least load; a request whose replica failed before
+anything reached the client is retried once on another replica. Discovery runs periodically, adding
+schedulers for new target replicas and retiring those of vanished ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+
+from coordinator.draft_length import DraftLength
+from coordinator.model_clients import ModelEndpoint, check_compatible
+from coordinator.replicas import ReplicaPool
+from coordinator.request import Request, new_samples
+from coordinator.scheduler import QueueFull, Scheduler, SchedulerConfig
+from coordinator.text import TextCodec
+from coordinator.validation import GenerationSpec
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 2
+DISCOVERY_PERIOD_S = 5.0
+
+
+class Router:
+    """The coordinator's replicas and their schedulers."""
+
+    def __init__(self, targets: ReplicaPool, drafts: ReplicaPool | None, config: SchedulerConfig,
+                 draft_length: tuple[int, int, bool]) -> None:
+        self.targets = targets
+        self.drafts = drafts
+        self.config = config
+        self._draft_length = draft_length
+        self.schedulers: dict[str, Scheduler] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._ids = itertools.count(1)
+        self.reference: ModelEndpoint | None = None
+        self.codec = TextCodec("")
+
+    async def start(self, connect_timeout_s: float) -> None:
+        """Wait for a target (and a draft when configured), check they pair, start the schedulers."""
+        await self.targets.wait_for_one(connect_timeout_s)
+        self.reference = next(iter(self.targets.endpoints.values()))
+        self.codec = TextCodec(self.reference.info.tokenizer_json)
+        self.targets.accept = self._compatible
+        if self.drafts is not None:
+            self.drafts.accept = self._compatible
+            await self.drafts.wait_for_one(connect_timeout_s)
+            for draft in self.drafts.endpoints.values():
+                check_compatible(draft.info, self.reference.info)
+        for target in self.targets.endpoints.values():
+            self._add_scheduler(target)
+        self._tasks["<discovery>"] = asyncio.create_task(self._discover())
+
+    def _compatible(self, endpoint: ModelEndpoint) -> bool:
+        try:
+            check_compatible(endpoint.info, self.reference.info)
+        except Exception as error:  # noqa: BLE001 - a bad replica is logged and skipped
+            log.error("ignoring %s replica %s: %s", endpoint.role, endpoint.address, error)
+            return False
+        return True
+
+    @property
+    def max_context(self) -> int:
+        """The shortest context among the connected models."""
+        endpoints = list(self.targets.endpoints.values())
+        if self.drafts is not None:
+            endpoints += list(self.drafts.endpoints.values())
+        return min(e.info.max_context for e in endpoints)
+
+    def _add_scheduler(self, target: ModelEndpoint) -> None:
+        initial, maximum, adaptive = self._draft_length
+        scheduler = Scheduler(target, self.drafts, DraftLength(initial, maximum, adaptive), self.config,
+                              self.reroute)
+        self.schedulers[target.address] = scheduler
+        self._tasks[target.address] = asyncio.create_task(scheduler.run())
+
+    async def _discover(self) -> None:
+        while True:
+            await asyncio.sleep(DISCOVERY_PERIOD_S)
+            try:
+                if self.drafts is not None:
+                    await self.drafts.refresh()
+                added, removed = await self.targets.refresh()
+            except Exception as error:  # noqa: BLE001 - discovery errors must not stop serving
+                log.warning("endpoint discovery failed: %s", error)
+                continue
+            for target in added:
+                log.info("target replica %s joined", target.address)
+                self._add_scheduler(target)
+            for target in removed:
+                scheduler = self.schedulers.pop(target.address)
+                for request in scheduler.retire():
+                    self._place(request, exclude=None)
+
+    def _candidates(self, exclude: Scheduler | None) -> list[Scheduler]:
+        schedulers = [s for s in self.schedulers.values() if s is not exclude and not s.removed]
+        healthy = [s for s in schedulers if s.target.healthy]
+        return sorted(healthy or schedulers, key=lambda s: (s.load, s.target.address))
+
+    def _place(self, request: Request, exclude: Scheduler | None) -> Scheduler:
+        for scheduler in self._candidates(exclude):
+            try:
+                scheduler.enqueue(request)
+                request.scheduler = scheduler
+                return scheduler
+            except QueueFull:
+                continue
+        raise QueueFull(f"every coordinator queue is full ({self.config.max_queue} requests waiting per replica); "
+                        "retry after a short backoff")
+
+    def submit(self, spec: GenerationSpec, stream: bool, deadline: float | None) -> Request:
+        """Queue a validated request on the least loaded healthy replica; raises QueueFull."""
+        request = Request(spec=spec, group_id=next(self._ids), samples=self._new_samples(spec), stream=stream,
+                          deadline=deadline)
+        self._place(request, exclude=None)
+        return request
+
+    def _new_samples(self, spec: GenerationSpec) -> list:
+        return new_samples(spec, lambda: next(self._ids), frozenset(self.reference.info.eos_token_ids), self.codec)
+
+    def reroute(self, request: Request, failed: Scheduler) -> bool:
+        """Restart a request that sent nothing to its client on another healthy replica; False when
+        there is none or the request used its attempts."""
+        if request.attempts + 1 >= MAX_ATTEMPTS or request.streamed:
+            return False
+        if (request.deadline is not None and time.monotonic() > request.deadline) or not any(
+                s.target.healthy for s in self._candidates(failed)):
+            return False
+        request.restart(lambda: self._new_samples(request.spec))
+        try:
+            self._place(request, exclude=failed)
+        except QueueFull:
+            return False
+        log.info("request %d retried on %s", request.group_id, request.scheduler.target.address)
+        return True
+
+    def cancel(self, request: Request) -> None:
+        """Cancel a request wherever it is queued or running."""
+        request.scheduler.cancel(request)
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting over all replicas."""
+        return sum(s.queue_depth for s in self.schedulers.values())
+
+    async def stop(self) -> None:
+        """Cancel the schedulers and discovery."""
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
