@@ -13,6 +13,7 @@ import grpc
 from coordinator.completion import Delta, SampleOutput
 from coordinator.text import TextCodec
 from coordinator.validation import GenerationSpec
+from specserve import telemetry
 from specserve.v1 import coordinator_pb2
 
 
@@ -36,6 +37,8 @@ class Request:
     streamed: bool = False
     attempts: int = 0
     scheduler: Any = None  # the Scheduler the request is queued on or running in
+    span: Any = None  # its coordinator.generate span (rounds link to it); None when not traced
+    queue_span: Any = None  # its open coordinator.queue_wait span while it waits for a batch
     _last_token: dict[int, float] = field(default_factory=dict)
     _gap_sum: float = 0.0
     _gap_count: int = 0
@@ -72,10 +75,23 @@ class Request:
             total_s=end - self.arrived,
         )
 
+    def queue_started(self) -> None:
+        """Open a coordinator.queue_wait span under the request span (when traced and none is open)."""
+        if self.span is not None and self.queue_span is None:
+            self.queue_span = telemetry.start_span("coordinator.queue_wait", parent=self.span,
+                                                   attributes={"specserve.attempt": self.attempts})
+
+    def queue_ended(self) -> None:
+        """Close the open coordinator.queue_wait span, if any."""
+        if self.queue_span is not None:
+            self.queue_span.end()
+            self.queue_span = None
+
     def complete(self, error: tuple[grpc.StatusCode, str] | None = None) -> None:
         """Mark the request done (with an error status, or successfully); idempotent."""
         if self.done.is_set():
             return
+        self.queue_ended()
         self.error = error
         self.finished_at = time.monotonic()
         self.usage.prompt_tokens = len(self.spec.prompt_token_ids)

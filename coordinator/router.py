@@ -19,6 +19,7 @@ from coordinator.request import Request, new_samples
 from coordinator.scheduler import QueueFull, Scheduler, SchedulerConfig
 from coordinator.text import TextCodec
 from coordinator.validation import GenerationSpec
+from specserve.metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,10 @@ class Router:
     """The coordinator's replicas and their schedulers."""
 
     def __init__(self, targets: ReplicaPool, drafts: ReplicaPool | None, config: SchedulerConfig,
-                 draft_length: tuple[int, int, bool]) -> None:
+                 draft_length: tuple[int, int, bool], metrics: CoordinatorMetrics | None = None) -> None:
         self.targets = targets
+        self.metrics = metrics if metrics is not None else CoordinatorMetrics()
+        self.metrics.track_queue_depth(lambda: self.queue_depth)
         self.drafts = drafts
         self.config = config
         self._draft_length = draft_length
@@ -75,7 +78,7 @@ class Router:
     def _add_scheduler(self, target: ModelEndpoint) -> None:
         initial, maximum, adaptive = self._draft_length
         scheduler = Scheduler(target, self.drafts, DraftLength(initial, maximum, adaptive), self.config,
-                              self.reroute)
+                              self.reroute, self.metrics)
         self.schedulers[target.address] = scheduler
         self._tasks[target.address] = asyncio.create_task(scheduler.run())
 
@@ -113,10 +116,13 @@ class Router:
         raise QueueFull(f"every coordinator queue is full ({self.config.max_queue} requests waiting per replica); "
                         "retry after a short backoff")
 
-    def submit(self, spec: GenerationSpec, stream: bool, deadline: float | None) -> Request:
-        """Queue a validated request on the least loaded healthy replica; raises QueueFull."""
+    def submit(self, spec: GenerationSpec, stream: bool, deadline: float | None, span: object = None) -> Request:
+        """Queue a validated request on the least loaded healthy replica; raises QueueFull.
+
+        ``span`` is the request's coordinator.generate span (None when not traced).
+        """
         request = Request(spec=spec, group_id=next(self._ids), samples=self._new_samples(spec), stream=stream,
-                          deadline=deadline)
+                          deadline=deadline, span=span)
         self._place(request, exclude=None)
         return request
 

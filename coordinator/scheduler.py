@@ -27,6 +27,8 @@ from coordinator.draft_length import DraftLength
 from coordinator.model_clients import ModelEndpoint
 from coordinator.replicas import ReplicaPool
 from coordinator.request import Request
+from specserve import telemetry
+from specserve.metrics import CoordinatorMetrics
 from specserve.model_service import sampling_to_proto
 from specserve.v1 import model_pb2
 
@@ -57,8 +59,10 @@ class Scheduler:
     """Owns one target replica's running batch and drives its rounds."""
 
     def __init__(self, target: ModelEndpoint, drafts: ReplicaPool | None, draft_length: DraftLength,
-                 config: SchedulerConfig, reroute: Callable[[Request, Scheduler], bool]) -> None:
+                 config: SchedulerConfig, reroute: Callable[[Request, Scheduler], bool],
+                 metrics: CoordinatorMetrics | None = None) -> None:
         self.target = target
+        self.metrics = metrics if metrics is not None else CoordinatorMetrics()
         self.drafts = drafts
         self.draft_length = draft_length
         self.config = config
@@ -96,6 +100,7 @@ class Scheduler:
             self._waiting.appendleft(request)
         else:
             self._waiting.append(request)
+        request.queue_started()
         self._wake.set()
 
     def cancel(self, request: Request) -> None:
@@ -157,6 +162,7 @@ class Scheduler:
         tokens = self.config.max_batch_tokens - self._batch_tokens
         while self._waiting and self._fits(self._waiting[0], seats, tokens, not (self._held or admitted)):
             request = self._waiting.popleft()
+            request.queue_ended()
             seats -= request.spec.n
             tokens -= self._tokens(request)
             admitted.append(request)
@@ -183,18 +189,33 @@ class Scheduler:
         return max(0.01, min(limit, request.deadline - time.monotonic()))
 
     async def _prefill(self, request: Request) -> None:
+        span = telemetry.start_span("coordinator.prefill", parent=request.span, attributes={
+            "specserve.batch_id": self.batch_id, "specserve.groups": 1, "specserve.sequences": request.spec.n,
+            "specserve.prompt_tokens": len(request.spec.prompt_token_ids)})
+        try:
+            await self._prefill_group(request, span)
+        finally:
+            span.end()
+
+    async def _prefill_group(self, request: Request, span: telemetry.Span) -> None:
         ids = [s.sequence_id for s in request.samples]
         prefill = model_pb2.PrefillRequest(batch_id=self.batch_id, groups=[self._group_spec(request, ids)])
-        calls = [self.target.stub.Prefill(prefill, timeout=self._timeout(request, self.config.model_timeout_s))]
+        metadata = telemetry.inject_metadata(span)
+        calls = [self.target.stub.Prefill(prefill, timeout=self._timeout(request, self.config.model_timeout_s),
+                                          metadata=metadata)]
         draft = self.draft
         if draft is not None:
-            calls.append(draft.stub.Prefill(prefill, timeout=self._timeout(request, self.config.draft_timeout_s)))
+            span.set_attribute("specserve.with_draft", True)
+            calls.append(draft.stub.Prefill(prefill, timeout=self._timeout(request, self.config.draft_timeout_s),
+                                            metadata=metadata))
         target_result, *draft_result = await asyncio.gather(*calls, return_exceptions=True)
         if isinstance(target_result, BaseException):
+            span.set_status(telemetry.error_status(target_result))
             if draft_result and not isinstance(draft_result[0], BaseException):
                 await self._release_quietly(draft, ids)
             self._prefill_failed(request, target_result)
             return
+        span.set_attribute("specserve.kv_bytes", target_result.kv_bytes)
         if draft_result and isinstance(draft_result[0], BaseException):
             self._drop_draft(draft_result[0])
         request.admitted = time.monotonic()
@@ -313,6 +334,20 @@ class Scheduler:
         live = self._live()
         draft = self.draft
         k = self.draft_length.k if draft is not None else 0
+        # A round serves many requests: a root span of its own, linked to the span of each request in it.
+        in_round = [r for r in self._running
+                    if r.span is not None and any(s.sequence_id in self._held for s in r.samples)]
+        span = telemetry.start_span("coordinator.round", links=[r.span for r in in_round], attributes={
+            "specserve.batch_id": self.batch_id, "specserve.groups": len(in_round),
+            "specserve.sequences": len(live), "specserve.draft_len": k})
+        try:
+            await self._speculate(span, live, finished_ids, draft, k)
+        finally:
+            span.end()
+
+    async def _speculate(self, span: telemetry.Span, live: list[int], finished_ids: list[int],
+                         draft: ModelEndpoint | None, k: int) -> None:
+        metadata = telemetry.inject_metadata(span)
         proposals = [model_pb2.Proposal(sequence_id=sid) for sid in live]
         if draft is not None:
             updates = [model_pb2.SequenceUpdate(sequence_id=sid, accepted_len=self._updates[sid][0],
@@ -322,23 +357,32 @@ class Scheduler:
             propose = model_pb2.ProposeRequest(batch_id=self.batch_id, draft_len=k, updates=updates,
                                                release_sequence_ids=finished_ids)
             try:
-                reply = await draft.stub.Propose(propose, timeout=self.config.draft_timeout_s)
+                reply = await draft.stub.Propose(propose, timeout=self.config.draft_timeout_s, metadata=metadata)
                 proposals = list(reply.proposals)
             except grpc.aio.AioRpcError as error:
+                span.add_event("draft dropped", {"grpc.status_code": error.code().name})
                 self._drop_draft(error)
                 k = 0
         verify = model_pb2.VerifyRequest(batch_id=self.batch_id, proposals=proposals,
                                          release_sequence_ids=finished_ids)
         try:
-            verdicts = (await self.target.stub.Verify(verify, timeout=self.config.model_timeout_s)).verdicts
+            verified = await self.target.stub.Verify(verify, timeout=self.config.model_timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as error:
+            span.set_status(telemetry.error_status(error))
             self.target.healthy = False
             await self._fail_running(self._status(error, self.target))
             return
-        self._apply(proposals, verdicts, k)
+        tokens_proposed, tokens_accepted = self._apply(proposals, verified.verdicts, k)
+        self.metrics.round_done(len(live), tokens_proposed, tokens_accepted)
+        span.set_attributes({"specserve.draft_len": k, "specserve.tokens_proposed": tokens_proposed,
+                             "specserve.tokens_accepted": tokens_accepted, "specserve.kv_bytes": verified.kv_bytes})
 
-    def _apply(self, proposals: list[model_pb2.Proposal], verdicts: list[model_pb2.Verdict], k: int) -> None:
+    def _apply(self, proposals: list[model_pb2.Proposal], verdicts: list[model_pb2.Verdict], k: int
+               ) -> tuple[int, int]:
+        """Extend each sample by its verdict and complete finished requests; returns the round's
+        (draft tokens proposed, accepted) over its verdicts."""
         proposed = {p.sequence_id: list(p.token_ids) for p in proposals}
+        tokens_proposed = tokens_accepted = 0
         accepted_lens = []
         counted: set[int] = set()
         for verdict in verdicts:
@@ -348,6 +392,8 @@ class Scheduler:
             self._updates[verdict.sequence_id] = (verdict.accepted_len, verdict.next_token_id)
             request.usage.draft_tokens_proposed += len(tokens)
             request.usage.draft_tokens_accepted += verdict.accepted_len
+            tokens_proposed += len(tokens)
+            tokens_accepted += verdict.accepted_len
             if id(request) not in counted:
                 counted.add(id(request))
                 request.usage.rounds += 1
@@ -356,6 +402,7 @@ class Scheduler:
             if request.finished:
                 request.complete()
         self.draft_length.update(k, accepted_lens)
+        return tokens_proposed, tokens_accepted
 
     async def _fail_running(self, status: tuple[grpc.StatusCode, str]) -> None:
         """Hand running requests that sent nothing to the client yet to another replica, fail the rest

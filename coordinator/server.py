@@ -16,7 +16,9 @@ from coordinator.replicas import ReplicaPool
 from coordinator.router import Router
 from coordinator.scheduler import SchedulerConfig
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+from specserve import telemetry
 from specserve.grpc_server import CHANNEL_OPTIONS
+from specserve.metrics import CoordinatorMetrics, start_metrics_server
 from specserve.tls import TLSFiles
 from specserve.v1 import coordinator_pb2_grpc
 
@@ -24,14 +26,23 @@ log = logging.getLogger(__name__)
 
 
 async def serve_coordinator(args: argparse.Namespace) -> int:
-    """Connect to the target (and draft) replicas, then serve Coordinator, health and reflection."""
-    tls = TLSFiles(args.tls_cert, args.tls_key, args.tls_ca)
+    """Connect to the target (and draft) replicas, then serve Coordinator, health and reflection.
+
+    Tracing follows the ``OTEL_*`` environment (see specserve.telemetry); Prometheus metrics are served
+    on ``--metrics-port`` when it is non-zero.
+    """
+    telemetry.setup_tracing("coordinator")
+    metrics = CoordinatorMetrics()
+    if start_metrics_server(metrics.registry, args.host, getattr(args, "metrics_port", 0)):
+        log.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
+    tls = TLSFiles(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_auth)
     targets = ReplicaPool("target", parse_endpoint_spec(args.target), tls)
     drafts = ReplicaPool("draft", parse_endpoint_spec(args.draft), tls) if args.draft else None
     config = SchedulerConfig(max_batch_sequences=args.max_batch_sequences, max_batch_tokens=args.max_batch_tokens,
                              max_queue=args.max_queue, model_timeout_s=args.model_timeout,
                              draft_timeout_s=args.draft_timeout)
-    router = Router(targets, drafts, config, (args.draft_len, args.max_draft_len, not args.fixed_draft_len))
+    router = Router(targets, drafts, config, (args.draft_len, args.max_draft_len, not args.fixed_draft_len),
+                    metrics)
     await router.start(args.connect_timeout)
     interceptors = []
     if args.auth_token_file:

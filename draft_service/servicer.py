@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from engine.draft import DraftRuntime
+from specserve import telemetry
 from specserve.grpc_server import grpc_errors
 from specserve.model_service import ModelServicer
 from specserve.v1 import model_pb2, model_pb2_grpc
@@ -21,7 +22,14 @@ class DraftServicer(ModelServicer, model_pb2_grpc.DraftModelServicer):
         runtime: DraftRuntime = self._ready(context)
         updates = {u.sequence_id: (u.accepted_len, u.next_token_id, list(u.catch_up_token_ids))
                    for u in request.updates}
-        proposals = runtime.propose(request.batch_id, updates, request.draft_len, request.release_sequence_ids)
+        attributes = {**self.model_attributes, "specserve.batch_id": request.batch_id,
+                      "specserve.sequences": len(request.updates), "specserve.draft_len": request.draft_len}
+        with telemetry.server_span("draft.propose", context, attributes) as span, \
+                self.metrics.forward.labels("propose").time():
+            proposals = runtime.propose(request.batch_id, updates, request.draft_len, request.release_sequence_ids)
+            kv_bytes = runtime.kv_bytes_in_use()
+            span.set_attributes({"specserve.tokens_proposed": sum(len(p.token_ids) for p in proposals),
+                                 "specserve.kv_bytes": kv_bytes})
         return model_pb2.ProposeResponse(
             proposals=[
                 model_pb2.Proposal(
@@ -32,7 +40,7 @@ class DraftServicer(ModelServicer, model_pb2_grpc.DraftModelServicer):
                 )
                 for p in proposals
             ],
-            kv_bytes=runtime.kv_bytes_in_use(),
+            kv_bytes=kv_bytes,
         )
 
 

@@ -6,11 +6,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from opentelemetry import trace
 
 from engine.batch import SequenceState, pad_windows
 from engine.errors import InvalidInput
 from engine.runtime import ModelRuntime
 from engine.sampling import CompactDistribution, process_logits, sample, verify_proposals
+
+_tracer = trace.get_tracer("specserve.engine")
 
 
 @dataclass
@@ -78,8 +81,9 @@ class TargetRuntime(ModelRuntime):
                 for row, (_, dists) in enumerate(ordered):
                     for position, dist in enumerate(dists):
                         draft_probs[row, position] = dist.to_dense(vocab)
-            accepted, nxt = verify_proposals(target_probs, tokens[:, 1:], draft_lens, draft_probs, greedy,
-                                             [s.generator for s in states])
+            with _tracer.start_as_current_span("target.accept"):  # no-op unless the service traces
+                accepted, nxt = verify_proposals(target_probs, tokens[:, 1:], draft_lens, draft_probs, greedy,
+                                                 [s.generator for s in states])
             verdicts = []
             for state, a, c in zip(states, accepted.tolist(), nxt.tolist(), strict=True):
                 state.decoded += 1 + a

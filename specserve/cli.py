@@ -12,6 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("specserve.generate", "ask a coordinator for n completions of a prompt"),
     "demo": ("specserve.demo", "start the three services on loopback and run a multi-sample generation"),
     "bench": ("specserve.bench", "benchmarks: attention, decode, e2e, load"),
+    "trace": ("specserve.trace", "trace one request through the services and draw where the time goes"),
 }
 
 

@@ -57,13 +57,15 @@ def grpc_errors(method: Handler) -> Handler:
     return wrapper  # type: ignore[return-value]
 
 
-def create_server(service_names: Iterable[str], host: str, port: int, tls: TLSFiles,
-                  max_workers: int = 16) -> tuple[grpc.Server, health.HealthServicer, int]:
+def create_server(service_names: Iterable[str], host: str, port: int, tls: TLSFiles, max_workers: int = 16,
+                  interceptors: Iterable[grpc.ServerInterceptor] = ()
+                  ) -> tuple[grpc.Server, health.HealthServicer, int]:
     """A started-later sync server bound to host:port with health (NOT_SERVING until told) and reflection.
 
     Returns (server, health servicer, bound port); port 0 picks a free port.
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS,
+                         interceptors=list(interceptors))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)

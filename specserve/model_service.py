@@ -13,7 +13,9 @@ from engine.batch import GroupInput
 from engine.checkpoint import load_checkpoint
 from engine.runtime import ModelRuntime
 from engine.sampling import SamplingParams
+from specserve import telemetry
 from specserve.grpc_server import create_server, grpc_errors, set_serving
+from specserve.metrics import CallMetricsInterceptor, ModelMetrics, start_metrics_server
 from specserve.tls import TLSFiles
 from specserve.v1 import model_pb2
 
@@ -46,6 +48,14 @@ class ModelServicer:
 
     def __init__(self) -> None:
         self.runtime: Any = None
+        self.metrics = ModelMetrics()
+        self.model_attributes: dict[str, Any] = {}
+
+    def set_runtime(self, runtime: ModelRuntime) -> None:
+        """Start serving ``runtime``: calls reach it and the metrics gauges read its stats."""
+        self.model_attributes = {"gen_ai.request.model": runtime.checkpoint.name}
+        self.metrics.track_runtime(runtime.stats)
+        self.runtime = runtime
 
     def _ready(self, context: grpc.ServicerContext) -> Any:
         if self.runtime is None:
@@ -67,10 +77,18 @@ class ModelServicer:
     def Prefill(self, request: model_pb2.PrefillRequest, context: grpc.ServicerContext  # noqa: N802
                 ) -> model_pb2.PrefillResponse:
         runtime: ModelRuntime = self._ready(context)
-        first = runtime.prefill(request.batch_id, [group_from_proto(g) for g in request.groups])
+        attributes = {**self.model_attributes, "specserve.batch_id": request.batch_id,
+                      "specserve.groups": len(request.groups),
+                      "specserve.sequences": sum(len(g.sequence_ids) for g in request.groups),
+                      "specserve.prompt_tokens": sum(len(g.prompt_token_ids) for g in request.groups)}
+        with telemetry.server_span(f"{runtime.role}.prefill", context, attributes) as span, \
+                self.metrics.forward.labels("prefill").time():
+            first = runtime.prefill(request.batch_id, [group_from_proto(g) for g in request.groups])
+            kv_bytes = runtime.kv_bytes_in_use()
+            span.set_attribute("specserve.kv_bytes", kv_bytes)
         return model_pb2.PrefillResponse(
             first_tokens=[model_pb2.SequenceToken(sequence_id=s, token_id=t) for s, t in first.items()],
-            kv_bytes=runtime.kv_bytes_in_use(),
+            kv_bytes=kv_bytes,
         )
 
     @grpc_errors
@@ -88,9 +106,17 @@ class ModelServicer:
 
 def serve_model(servicer: ModelServicer, add_to_server: Callable[[Any, grpc.Server], None], service_name: str,
                 runtime_factory: Callable[..., ModelRuntime], args: Any) -> int:
-    """Bind the port, report NOT_SERVING while the model loads, then serve until terminated."""
-    tls = TLSFiles(args.tls_cert, args.tls_key, args.tls_ca)
-    server, health_servicer, port = create_server([service_name], args.host, args.port, tls)
+    """Bind the port, report NOT_SERVING while the model loads, then serve until terminated.
+
+    Tracing follows the ``OTEL_*`` environment (see specserve.telemetry); Prometheus metrics are served
+    on ``--metrics-port`` when it is non-zero.
+    """
+    telemetry.setup_tracing(getattr(runtime_factory, "role", "model"))
+    tls = TLSFiles(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_auth)
+    server, health_servicer, port = create_server([service_name], args.host, args.port, tls,
+                                                  interceptors=[CallMetricsInterceptor(servicer.metrics)])
+    if start_metrics_server(servicer.metrics.registry, args.host, getattr(args, "metrics_port", 0)):
+        log.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
     add_to_server(servicer, server)
     server.start()
     log.info("%s listening on %s:%d, loading %s", service_name, args.host, port, args.model)
@@ -100,7 +126,7 @@ def serve_model(servicer: ModelServicer, add_to_server: Callable[[Any, grpc.Serv
         kv_budget_bytes=int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
         session_ttl_s=args.session_ttl,
     )
-    servicer.runtime = runtime
+    servicer.set_runtime(runtime)
     set_serving(health_servicer, [service_name], True)
     log.info("%s serving %s on %s:%d", service_name, checkpoint.name, args.host, port)
     stop = threading.Event()

@@ -15,6 +15,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specserve.grpc_server import open_channel
+from specserve.tls import TLSFiles
+
 SERVICE_OF_ROLE = {
     "draft": "specserve.v1.DraftModel",
     "target": "specserve.v1.TargetModel",
@@ -29,10 +32,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_serving(address: str, service: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
+def wait_serving(address: str, service: str, timeout_s: float, process: subprocess.Popen | None = None,
+                 tls: TLSFiles | None = None) -> None:
     """Block until ``service`` at ``address`` reports SERVING; raise RuntimeError on timeout or exit."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, tls or TLSFiles()) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:
@@ -55,6 +59,9 @@ class ServerProcess:
     port: int
     args: list[str]
     log_path: Path | None = None
+    tls: TLSFiles = field(default_factory=TLSFiles)
+    env: dict[str, str] | None = None  # extra environment variables (e.g. OTEL_*) of the process
+    metrics_port: int = 0  # --metrics-port of the server (0 = off)
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -65,14 +72,21 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         """Launch the process (stdout/stderr to log_path, or discarded)."""
         command = [sys.executable, "-m", "specserve", "serve", self.role, "--port", str(self.port), *self.args]
+        for flag, path in (("--tls-cert", self.tls.cert), ("--tls-key", self.tls.key), ("--tls-ca", self.tls.ca)):
+            if path:
+                command += [flag, path]
+        if self.tls.client_auth:
+            command.append("--tls-client-auth")
+        if self.metrics_port:
+            command += ["--metrics-port", str(self.metrics_port)]
         output = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
         return self
 
     def wait_serving(self, timeout_s: float = 180.0) -> None:
         """Block until the server reports SERVING."""
-        wait_serving(self.address, SERVICE_OF_ROLE[self.role], timeout_s, self.process)
+        wait_serving(self.address, SERVICE_OF_ROLE[self.role], timeout_s, self.process, self.tls)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
         """Stop the process (SIGKILL when it does not exit in time)."""
@@ -95,26 +109,37 @@ class Deployment:
     model_args: Sequence[str] = ()
     coordinator_args: Sequence[str] = ()
     log_dir: Path | None = None
+    tls: TLSFiles = field(default_factory=TLSFiles)
+    env: dict[str, str] | None = None  # extra environment variables of every server (e.g. OTEL_*)
+    metrics: bool = False  # give every server a free --metrics-port (ServerProcess.metrics_port)
     servers: dict[str, ServerProcess] = field(default_factory=dict)
 
     def _log(self, role: str) -> Path | None:
         return self.log_dir / f"{role}.log" if self.log_dir else None
 
+    def _configure(self, server: ServerProcess) -> ServerProcess:
+        server.env = self.env
+        if self.metrics and not server.metrics_port:
+            server.metrics_port = free_port()
+        return server
+
     def start(self, timeout_s: float = 300.0) -> Deployment:
         """Start the model services, wait for health, then the coordinator; returns self."""
         self.servers["target"] = ServerProcess("target", free_port(),
-                                               ["--model", self.target_model, *self.model_args], self._log("target"))
+                                               ["--model", self.target_model, *self.model_args], self._log("target"),
+                                               self.tls)
         coordinator = ["--target", self.servers["target"].address, *self.coordinator_args]
         if self.draft_model:
             self.servers["draft"] = ServerProcess("draft", free_port(),
-                                                  ["--model", self.draft_model, *self.model_args], self._log("draft"))
+                                                  ["--model", self.draft_model, *self.model_args], self._log("draft"),
+                                                  self.tls)
             coordinator += ["--draft", self.servers["draft"].address]
         for server in self.servers.values():
-            server.start()
+            self._configure(server).start()
         for server in self.servers.values():
             server.wait_serving(timeout_s)
-        self.servers["coordinator"] = ServerProcess("coordinator", free_port(), coordinator,
-                                                    self._log("coordinator")).start()
+        self.servers["coordinator"] = self._configure(ServerProcess("coordinator", free_port(), coordinator,
+                                                                    self._log("coordinator"), self.tls)).start()
         self.servers["coordinator"].wait_serving(timeout_s)
         return self
 

@@ -15,8 +15,10 @@ def _common(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORTS[role], help="port to bind (0 = any free port)")
     parser.add_argument("--tls-cert", help="PEM certificate of this server (enables TLS)")
     parser.add_argument("--tls-key", help="PEM private key of this server")
-    parser.add_argument("--tls-ca", help="PEM CA: peers must present certificates it signed (mutual TLS); "
-                                         "also the CA this process trusts when calling other services")
+    parser.add_argument("--tls-ca", help="PEM CA this process trusts when calling other services "
+                                         "(and, with --tls-client-auth, for client certificates)")
+    parser.add_argument("--tls-client-auth", action="store_true",
+                        help="require client certificates signed by --tls-ca (mutual TLS)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus metrics over HTTP on this port (0 = off)")

@@ -12,12 +12,14 @@ import grpc
 class TLSFiles:
     """PEM paths: this process's certificate and key, and the CA that peers' certificates must chain to.
 
-    A server with a CA requires client certificates (mutual TLS); a client with a certificate presents it.
+    With ``client_auth`` a server requires client certificates signed by the CA (mutual TLS); a client
+    with a certificate presents it.
     """
 
     cert: str | None = None
     key: str | None = None
     ca: str | None = None
+    client_auth: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -28,10 +30,12 @@ class TLSFiles:
         """Server credentials; raises ValueError when the certificate or key is missing."""
         if not (self.cert and self.key):
             raise ValueError("a TLS server needs both --tls-cert and --tls-key")
+        if self.client_auth and not self.ca:
+            raise ValueError("--tls-client-auth needs --tls-ca (the CA client certificates must chain to)")
         return grpc.ssl_server_credentials(
             [(Path(self.key).read_bytes(), Path(self.cert).read_bytes())],
-            root_certificates=Path(self.ca).read_bytes() if self.ca else None,
-            require_client_auth=bool(self.ca),
+            root_certificates=Path(self.ca).read_bytes() if self.client_auth else None,
+            require_client_auth=self.client_auth,
         )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:

@@ -7,6 +7,7 @@ import numpy as np
 
 from engine.sampling import CompactDistribution
 from engine.target import TargetRuntime
+from specserve import telemetry
 from specserve.grpc_server import grpc_errors
 from specserve.model_service import ModelServicer
 from specserve.v1 import model_pb2, model_pb2_grpc
@@ -31,11 +32,20 @@ class TargetServicer(ModelServicer, model_pb2_grpc.TargetModelServicer):
             p.sequence_id: (list(p.token_ids), [distribution_from_proto(d) for d in p.distributions])
             for p in request.proposals
         }
-        verdicts = runtime.verify(request.batch_id, proposals, request.release_sequence_ids)
+        attributes = {**self.model_attributes, "specserve.batch_id": request.batch_id,
+                      "specserve.sequences": len(request.proposals),
+                      "specserve.draft_len": max((len(p.token_ids) for p in request.proposals), default=0),
+                      "specserve.tokens_proposed": sum(len(p.token_ids) for p in request.proposals)}
+        with telemetry.server_span("target.verify", context, attributes) as span, \
+                self.metrics.forward.labels("verify").time():
+            verdicts = runtime.verify(request.batch_id, proposals, request.release_sequence_ids)
+            kv_bytes = runtime.kv_bytes_in_use()
+            span.set_attributes({"specserve.tokens_accepted": sum(v.accepted_len for v in verdicts),
+                                 "specserve.kv_bytes": kv_bytes})
         return model_pb2.VerifyResponse(
             verdicts=[model_pb2.Verdict(sequence_id=v.sequence_id, accepted_len=v.accepted_len,
                                         next_token_id=v.next_token_id) for v in verdicts],
-            kv_bytes=runtime.kv_bytes_in_use(),
+            kv_bytes=kv_bytes,
         )
 
 

@@ -499,6 +499,9 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-prompts", type=int, default=30)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--eval-only", action="store_true", help="re-evaluate existing checkpoints in --out")
+    ap.add_argument("--init-target", default=None,
+                    help="continue training from this target checkpoint (its tokenizer is reused)")
+    ap.add_argument("--init-draft", default=None, help="continue training from this draft checkpoint")
     ap.add_argument("--target-layers", type=int, default=TARGET_ARCH["num_hidden_layers"])
     ap.add_argument("--draft-layers", type=int, default=DRAFT_ARCH["num_hidden_layers"])
     args = ap.parse_args(argv)
@@ -522,6 +525,9 @@ def main(argv=None) -> int:
 
     if args.eval_only:
         tok = AutoTokenizer.from_pretrained(tdir)
+    elif args.init_target:
+        tok = AutoTokenizer.from_pretrained(args.init_target)
+        log(f"tokenizer loaded from {args.init_target}")
     else:
         tok = train_tokenizer([t for _, t in train_files], args.vocab_size)
         log(f"tokenizer trained: vocab {len(tok)}")
@@ -548,7 +554,13 @@ def main(argv=None) -> int:
         if old.exists():
             train_info = json.loads(old.read_text()).get("training", {})
     else:
-        target = make_model(target_arch, tok, args.seed)
+        if args.init_target:
+            target = AutoModelForCausalLM.from_pretrained(args.init_target)
+            prev = Path(args.init_target).parent / "metrics.json"
+            if prev.exists():
+                train_info["stage1"] = json.loads(prev.read_text()).get("training", {})
+        else:
+            target = make_model(target_arch, tok, args.seed)
         log(f"target params {param_counts(target)}")
         train_info["target"] = train_model(
             "target", target, train_data, seq_len=args.seq_len, batch=args.batch, peak_lr=args.lr_target,
@@ -557,7 +569,10 @@ def main(argv=None) -> int:
         )
         for p in target.parameters():
             p.requires_grad_(False)
-        draft = make_model(draft_arch, tok, args.seed + 100)
+        if args.init_draft:
+            draft = AutoModelForCausalLM.from_pretrained(args.init_draft)
+        else:
+            draft = make_model(draft_arch, tok, args.seed + 100)
         log(f"draft params {param_counts(draft)}")
         train_info["draft"] = train_model(
             "draft", draft, train_data, seq_len=args.seq_len, batch=args.batch, peak_lr=args.lr_draft,

@@ -90,9 +90,10 @@ app.kubernetes.io/component: {{ .component }}
 - {{ include "specserve.tlsDir" . }}/tls.crt
 - --tls-key
 - {{ include "specserve.tlsDir" . }}/tls.key
-{{- if .ctx.Values.tls.mutual }}
 - --tls-ca
 - {{ include "specserve.tlsDir" . }}/ca.crt
+{{- if .ctx.Values.tls.mutual }}
+- --tls-client-auth
 {{- end }}
 {{- end }}
 {{- end }}
