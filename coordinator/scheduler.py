@@ -127,18 +127,16 @@ class Scheduler:
                 await self.target.check_health()
                 continue
             self._running = [r for r in self._running if not r.done.is_set()]
-            if not self._waiting and not self._running:
-                await self._end_batch()
+            if not self._live():
+                await self._end_batch()  # nothing live: release everything the services hold, fresh batch
                 if not self._waiting:  # no await between this check and clear(): no lost wake-up
                     self._wake.clear()
                     await self._wake.wait()
-                continue
+                    continue
             await self._admit()
             if self._live():
                 await self._rejoin_draft()
                 await self._round()
-            elif not self._waiting:
-                await self._end_batch()
             await asyncio.sleep(0)
         await self._fail_running((grpc.StatusCode.UNAVAILABLE, f"target replica {self.target.address} was removed"))
 

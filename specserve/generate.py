@@ -8,6 +8,7 @@ import sys
 
 import grpc
 
+from specserve import telemetry
 from specserve.grpc_server import open_channel
 from specserve.tls import TLSFiles
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -55,11 +56,17 @@ def run(args: argparse.Namespace) -> int:
     """Send one request; exit status 1 with the gRPC status on failure."""
     channel = open_channel(args.coordinator, TLSFiles(args.tls_cert, args.tls_key, args.tls_ca))
     stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    telemetry.setup_tracing("client")  # with OTEL_EXPORTER_OTLP_ENDPOINT set, the request joins a client trace
+    span = telemetry.start_span("client.generate", kind=telemetry.SpanKind.CLIENT, attributes={"specserve.n": args.n})
     try:
-        response = stub.Generate(request_from_args(args), timeout=args.timeout)
+        response = stub.Generate(request_from_args(args), timeout=args.timeout,
+                                 metadata=telemetry.inject_metadata(span))
     except grpc.RpcError as error:
         print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
         return 1
+    finally:
+        span.end()
+        telemetry.shutdown_tracing()
     if args.json:
         from google.protobuf.json_format import MessageToDict
 

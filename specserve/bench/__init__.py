@@ -8,6 +8,7 @@ import importlib
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "attention": ("specserve.bench.attention", "one attention call: bifurcated vs standard"),
     "decode": ("specserve.bench.decode", "one decode step of an MHA model at long context"),
+    "tracing": ("specserve.bench.tracing", "request latency with span export on vs off"),
 }
 
 

@@ -1,0 +1,88 @@
+"""Tracing overhead: the same Generate request against two identical deployments, one exporting every
+span (OTLP/gRPC to an in-process receiver) and one with tracing off, alternating, medians compared."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from specserve.bench.timing import host_info, time_interleaved_samples
+from specserve.demo import DEFAULT_MODELS, DEFAULT_PROMPT
+from specserve.grpc_server import open_channel
+from specserve.otlp_receiver import OtlpReceiver
+from specserve.processes import Deployment
+from specserve.tls import TLSFiles
+from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``specserve bench tracing``."""
+    parser.add_argument("--target-model", default=str(DEFAULT_MODELS / "target"))
+    parser.add_argument("--draft-model", default=str(DEFAULT_MODELS / "draft"))
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("-n", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=20, help="timed requests per configuration")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", help="also write the results here")
+
+
+def _caller(address: str, request: coordinator_pb2.GenerateRequest) -> tuple[Callable[[], object], list]:
+    stub = coordinator_pb2_grpc.CoordinatorStub(open_channel(address, TLSFiles()))
+    responses: list[coordinator_pb2.GenerateResponse] = []
+    return (lambda: responses.append(stub.Generate(request, timeout=600))), responses
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure and print the median request time with tracing off and on, and their ratio."""
+    for path in (args.target_model, args.draft_model):
+        if not (Path(path) / "config.json").is_file():
+            raise SystemExit(f"no model at {path}: pass --target-model/--draft-model (local HF checkpoints)")
+    request = coordinator_pb2.GenerateRequest(prompt=args.prompt, n=args.n, max_new_tokens=args.max_new_tokens,
+                                              temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                              ignore_eos=True)
+    with tempfile.TemporaryDirectory() as logs, OtlpReceiver() as receiver:
+        configs = {"off": {"OTEL_SDK_DISABLED": "true"},
+                   "on": {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_SDK_DISABLED": "false"}}
+        deployments = {}
+        try:
+            for name, env in configs.items():
+                log_dir = Path(logs) / name
+                log_dir.mkdir()
+                deployments[name] = Deployment(args.target_model, args.draft_model, log_dir=log_dir,
+                                               env=env).start()
+            calls = {name: _caller(d.coordinator_address, request) for name, d in deployments.items()}
+            samples = time_interleaved_samples({name: call for name, (call, _) in calls.items()},
+                                               args.repeats, args.warmup)
+        finally:
+            for deployment in deployments.values():
+                deployment.stop()
+        spans = receiver.spans()
+    tokens = {name: {tuple(c.token_ids) for r in responses for c in r.completions}
+              for name, (_, responses) in calls.items()}
+    usage = calls["on"][1][-1].usage
+    medians = {name: statistics.median(s) for name, s in samples.items()}
+    ratio = medians["on"] / medians["off"]
+    result = {
+        "models": {"target": args.target_model, "draft": args.draft_model},
+        "request": {"n": args.n, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature},
+        "repeats": args.repeats, "rounds_per_request": usage.rounds,
+        "completion_tokens": usage.completion_tokens,
+        "median_s": medians, "samples_s": samples, "ratio_on_off": ratio,
+        "spans_received": len(spans), "same_outputs": tokens["on"] == tokens["off"], "host": host_info(),
+    }
+    print(f"tracing off: median {medians['off'] * 1e3:.1f} ms/request, on: {medians['on'] * 1e3:.1f} ms/request "
+          f"-> ratio {ratio:.4f} ({(ratio - 1) * 100:+.2f}%)")
+    print(f"{args.repeats} interleaved requests each, n={args.n}, {usage.completion_tokens} tokens, "
+          f"{usage.rounds} rounds per request; {len(spans)} spans received; identical outputs: "
+          f"{result['same_outputs']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0

@@ -1,0 +1,133 @@
+"""Failures of a distributed deployment, with real processes: killed services, cancelled clients,
+full queues and KV budgets."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from conftest import coordinator_stub
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hf_oracle import greedy
+
+from specserve.processes import Deployment, ServerProcess
+from specserve.v1 import coordinator_pb2, model_pb2, model_pb2_grpc
+
+PROMPT = [7, 21, 9, 30, 11]
+
+
+def long_request(n: int = 3, max_new: int = 300) -> coordinator_pb2.GenerateRequest:
+    return coordinator_pb2.GenerateRequest(prompt_token_ids=PROMPT, n=n, max_new_tokens=max_new, ignore_eos=True)
+
+
+def restart(server: ServerProcess) -> None:
+    server.start()
+    server.wait_serving()
+
+
+def stats(server: ServerProcess) -> model_pb2.ModelStats:
+    stub_class = model_pb2_grpc.DraftModelStub if server.role == "draft" else model_pb2_grpc.TargetModelStub
+    return stub_class(grpc.insecure_channel(server.address)).Stats(model_pb2.StatsRequest(), timeout=10)
+
+
+def wait_released(deployment: Deployment, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        held = [stats(deployment.servers[r]) for r in ("draft", "target")]
+        if all(s.sequences == 0 and s.batches == 0 for s in held):
+            return
+        time.sleep(0.2)
+    pytest.fail(f"sessions not released: {held}")
+
+
+@pytest.fixture
+def deployment(checkpoints, tmp_path):
+    with Deployment(str(checkpoints["llama"]), str(checkpoints["llama"]), log_dir=tmp_path) as running:
+        yield running
+
+
+def test_draft_killed_mid_generation_then_rejoins(deployment, checkpoints):
+    stub = coordinator_stub(deployment.coordinator_address)
+    expected = greedy(checkpoints["llama"], PROMPT, 300, None)
+    stream = stub.GenerateStream(long_request(), timeout=300)
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for number, chunk in enumerate(stream):
+        if number == 3:
+            deployment.servers["draft"].stop(signal.SIGKILL)
+        tokens[chunk.index] += chunk.token_ids
+    assert all(t == expected for t in tokens.values())
+    restart(deployment.servers["draft"])
+    deadline = time.monotonic() + 60
+    while True:  # the coordinator re-joins the draft mid-batch, which must catch up without changing output
+        response = stub.Generate(long_request(), timeout=300)
+        assert all(list(c.token_ids) == expected for c in response.completions)
+        if response.usage.draft_tokens_proposed > 0 or time.monotonic() > deadline:
+            break
+    assert response.usage.draft_tokens_proposed > 0, "the coordinator never returned to speculation"
+
+
+def test_target_killed_fails_running_request_and_serves_again(deployment):
+    stub = coordinator_stub(deployment.coordinator_address)
+    stream = stub.GenerateStream(long_request(max_new=400), timeout=300)
+    with pytest.raises(grpc.RpcError) as raised:
+        for number, _ in enumerate(stream):
+            if number == 2:
+                deployment.servers["target"].stop(signal.SIGKILL)
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "target replica" in raised.value.details()
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(deployment.coordinator_address))
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+    # A request sent while the target is down waits in the queue and is served once it is back.
+    results: list = []
+    waiter = threading.Thread(target=lambda: results.append(stub.Generate(long_request(n=2, max_new=16),
+                                                                          timeout=300)))
+    waiter.start()
+    time.sleep(1.0)
+    restart(deployment.servers["target"])
+    waiter.join(300)
+    assert [len(c.token_ids) for c in results[0].completions] == [16, 16]
+
+
+def test_cancelled_stream_and_deadline_release_sessions(deployment):
+    stub = coordinator_stub(deployment.coordinator_address)
+    stream = stub.GenerateStream(long_request(n=4, max_new=450), timeout=300)
+    next(stream)
+    next(stream)
+    stream.cancel()
+    wait_released(deployment)
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Generate(long_request(n=4, max_new=450), timeout=0.5)
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_released(deployment)
+
+
+def test_full_queue_answers_resource_exhausted(checkpoints, tmp_path):
+    with Deployment(str(checkpoints["llama"]), None, coordinator_args=["--max-queue", "1", "--max-batch-sequences", "1"],
+                    log_dir=tmp_path) as deployment:
+        stub = coordinator_stub(deployment.coordinator_address)
+        futures = [stub.Generate.future(long_request(n=1, max_new=200), timeout=300) for _ in range(6)]
+        codes = []
+        for future in futures:
+            try:
+                future.result()
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as error:
+                codes.append(error.code())
+                assert "retry" in error.details()
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+        assert codes.count(grpc.StatusCode.OK) >= 2
+
+
+def test_kv_budget_refuses_new_groups(checkpoints, tmp_path):
+    with Deployment(str(checkpoints["llama"]), str(checkpoints["llama_draft"]), model_args=["--kv-budget-mb", "0.1"],
+                    log_dir=tmp_path) as deployment:
+        stub = coordinator_stub(deployment.coordinator_address)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Generate(long_request(n=8, max_new=64), timeout=60)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "KV cache budget" in raised.value.details()
+        small = stub.Generate(long_request(n=1, max_new=8), timeout=60)
+        assert len(small.completions[0].token_ids) == 8
