@@ -105,8 +105,8 @@ def test_cancelled_stream_and_deadline_release_sessions(deployment):
 
 
 def test_full_queue_answers_resource_exhausted(checkpoints, tmp_path):
-    with Deployment(str(checkpoints["llama"]), None, coordinator_args=["--max-queue", "1", "--max-batch-sequences", "1"],
-                    log_dir=tmp_path) as deployment:
+    bounds = ["--max-queue", "1", "--max-batch-sequences", "1"]
+    with Deployment(str(checkpoints["llama"]), None, coordinator_args=bounds, log_dir=tmp_path) as deployment:
         stub = coordinator_stub(deployment.coordinator_address)
         futures = [stub.Generate.future(long_request(n=1, max_new=200), timeout=300) for _ in range(6)]
         codes = []
