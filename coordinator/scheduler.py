@@ -76,6 +76,7 @@ class Scheduler:
         self._catch_up: dict[int, list[int]] = {}
         self._held: set[int] = set()
         self._batch_tokens = 0
+        self._admitting = 0  # sequences whose prefill is in flight
         self._wake = asyncio.Event()
         self._last_probe = 0.0
         self.batch_id = uuid.uuid4().hex
@@ -89,7 +90,7 @@ class Scheduler:
     @property
     def load(self) -> int:
         """Sequences running plus sequences waiting: what the router balances."""
-        return len(self._held) + sum(r.spec.n for r in self._waiting)
+        return len(self._held) + self._admitting + sum(r.spec.n for r in self._waiting)
 
     def enqueue(self, request: Request, front: bool = False) -> None:
         """Queue a request; raises QueueFull when the waiting queue is at its bound."""
@@ -168,7 +169,11 @@ class Scheduler:
             return
         if not self._held and self.draft is None and self.drafts is not None:
             self._pin_draft(self.drafts.least_loaded())
-        await asyncio.gather(*(self._prefill(r) for r in admitted))
+        self._admitting = sum(r.spec.n for r in admitted)
+        try:
+            await asyncio.gather(*(self._prefill(r) for r in admitted))
+        finally:
+            self._admitting = 0
 
     def _pin_draft(self, draft: ModelEndpoint | None) -> None:
         self.draft = draft

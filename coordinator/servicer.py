@@ -86,7 +86,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _finish(self, call: _Call, error: BaseException | None) -> None:
         """Account the call in the metrics and close its span with usage and status."""
-        if isinstance(error, asyncio.CancelledError) and call.code == grpc.StatusCode.OK:
+        if isinstance(error, asyncio.CancelledError | GeneratorExit) and call.code == grpc.StatusCode.OK:
             call.code, call.message = grpc.StatusCode.CANCELLED, "cancelled by the client"
         elif error is not None and call.code == grpc.StatusCode.OK:
             call.code, call.message = grpc.StatusCode.UNKNOWN, f"{type(error).__name__}: {error}"

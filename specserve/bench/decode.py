@@ -301,8 +301,9 @@ def plot_results(res: dict[str, object], path: str) -> None:
         a.grid(True, which="both", alpha=0.3)
     ax.set_yscale("log")
     ax.set_ylabel("decode step latency, median (ms)")
+    threads = res.get("host", {}).get("torch_threads", "?")
     ax.set_title(f"decode step: {model['layers']} layers, hidden {model['hidden']}, "
-                 f"{res['dtype']}, {res['device']}")
+                 f"{res['dtype']}, {res['device']}, {threads} thread(s)", fontsize=10)
     ax.legend(fontsize=7)
     ax_ratio.axhline(1.0, color="gray", lw=0.8)
     ax_ratio.set_ylabel("standard / bifurcated")
