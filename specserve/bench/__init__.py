@@ -8,6 +8,7 @@ import importlib
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "attention": ("specserve.bench.attention", "one attention call: bifurcated vs standard"),
     "decode": ("specserve.bench.decode", "one decode step of an MHA model at long context"),
+    "e2e": ("specserve.bench.e2e", "end-to-end generation: batched, HF generate/assisted, BASS, BASS over gRPC"),
     "tracing": ("specserve.bench.tracing", "request latency with span export on vs off"),
 }
 
