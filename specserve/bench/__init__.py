@@ -10,6 +10,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "decode": ("specserve.bench.decode", "one decode step of an MHA model at long context"),
     "e2e": ("specserve.bench.e2e", "end-to-end generation: batched, HF generate/assisted, BASS, BASS over gRPC"),
     "tracing": ("specserve.bench.tracing", "request latency with span export on vs off"),
+    "load": ("specserve.bench.load", "concurrent streaming clients against a live deployment"),
 }
 
 
