@@ -184,6 +184,15 @@ class Harness:
         return [list(c.token_ids) for c in completions], stats
 
 
+def _fingerprint(path: str) -> dict[str, str]:
+    """The checkpoint directory and the first 16 hex digits of its weights' SHA-256 (which models were timed)."""
+    import hashlib
+
+    weights = Path(path) / "model.safetensors"
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:16] if weights.is_file() else ""
+    return {"path": str(path), "sha256": digest}
+
+
 def measure_bandwidth(megabytes: int, repeats: int = 7) -> float:
     """Median GB/s (1e9 bytes/s) of copying a ``megabytes`` MB float32 tensor (read + write counted)."""
     numel = megabytes * 1_000_000 // 4
@@ -259,6 +268,8 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
         "host": host_info(),
         "config": {k: v for k, v in vars(args).items() if k != "bench_handler" and not callable(v)},
         "systems": {s: SYSTEMS[s] for s in systems},
+        "models": {role: _fingerprint(path) for role, path in (("target", args.target_model),
+                                                                 ("draft", args.draft_model))},
         "prompts": [{"file": p.file, "line": p.line, "tokens": len(p.token_ids)} for p in harness.prompts],
         "points": [],
     }

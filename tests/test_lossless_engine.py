@@ -1,0 +1,139 @@
+"""Sampling through the real draft and target runtimes has exactly the target model's distribution.
+
+A tiny Llama target with a 32-token vocabulary and an unrelated draft; thousands of samples of one
+prompt in one group (the prompt KV shared by all of them). The first token comes from the target's
+prefill, tokens 2 and 3 from one speculative round (k=2). The exact distribution of (t1, t2, t3) is
+computed directly from the target model by enumeration; a chi-square test with a fixed seed (false-alarm
+rate 1e-3) must accept it, and must reject it when the acceptance rule is broken.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy import stats
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import engine.sampling
+from engine.batch import GroupInput
+from engine.checkpoint import load_checkpoint
+from engine.draft import DraftRuntime
+from engine.sampling import SamplingParams, process_logits
+from engine.target import TargetRuntime
+
+VOCAB = 32
+SAMPLES = 6000
+PROMPT = [3, 17, 5, 9]
+ALPHA = 1e-3
+
+
+def tiny(path, seed: int, scale: float):
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         eos_token_id=0, bos_token_id=1))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lossless")
+    target = TargetRuntime(load_checkpoint(tiny(root / "target", seed=10, scale=12.0)))
+    draft = DraftRuntime(load_checkpoint(tiny(root / "draft", seed=11, scale=8.0)))
+    return target, draft
+
+
+def exact_distribution(model, params: SamplingParams) -> torch.Tensor:
+    """P(t1, t2, t3) [V, V, V] of the target's processed distributions, by enumeration."""
+    with torch.inference_mode():
+        prompt = torch.tensor([PROMPT])
+        p1 = process_logits(model(prompt).logits[:, -1], [params])[0]
+        pairs = torch.tensor(list(itertools.product(range(VOCAB), repeat=2)))
+        logits = model(torch.cat([prompt.expand(len(pairs), -1), pairs], dim=1)).logits
+        p2 = process_logits(logits[::VOCAB, -2], [params] * VOCAB)  # [V, V]: depends on t1 only
+        p3 = process_logits(logits[:, -1], [params] * len(pairs)).view(VOCAB, VOCAB, VOCAB)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def speculative_samples(target, draft, params: SamplingParams, batch_id: str) -> torch.Tensor:
+    """(t1, t2, t3) of SAMPLES sequences: t1 from prefill, then k=2 rounds until every sequence has 3."""
+    ids = list(range(SAMPLES))
+    group = GroupInput(0, PROMPT, ids, params, max_new_tokens=16)
+    first = target.prefill(batch_id, [group])
+    draft.prefill(batch_id, [group])
+    tokens = {s: [first[s]] for s in ids}
+    updates = {s: (0, first[s], []) for s in ids}
+    while min(len(t) for t in tokens.values()) < 3:
+        proposals = draft.propose(batch_id, updates, draft_len=2)
+        verdicts = target.verify(batch_id, {p.sequence_id: (p.token_ids, p.distributions) for p in proposals})
+        drafted = {p.sequence_id: p.token_ids for p in proposals}
+        for verdict in verdicts:
+            sid = verdict.sequence_id
+            tokens[sid] += drafted[sid][: verdict.accepted_len] + [verdict.next_token_id]
+            updates[sid] = (verdict.accepted_len, verdict.next_token_id, [])
+    target.release(batch_id)
+    draft.release(batch_id)
+    return torch.tensor([tokens[s][:3] for s in ids])
+
+
+def pair_pvalue(samples: torch.Tensor, exact: torch.Tensor, merge_below: float = 5.0) -> float:
+    """Chi-square p-value of the counts of token pairs ``samples [N, 2]`` against ``exact [V, V]``; cells with
+    expected count below ``merge_below`` are pooled into one."""
+    counts = torch.zeros(exact.numel(), dtype=torch.float64)
+    flat = samples[:, 0] * VOCAB + samples[:, 1]
+    counts.index_add_(0, flat, torch.ones(len(flat), dtype=torch.float64))
+    expected = exact.flatten().double() / exact.sum().double() * len(flat)
+    assert float(counts[expected == 0].sum()) == 0, "a sample the target gives probability 0"
+    big = expected >= merge_below
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    wanted = torch.cat([expected[big], expected[~big].sum()[None]])
+    assert int(big.sum()) >= 20, "too few cells for a meaningful test"
+    wanted = wanted * observed.sum() / wanted.sum()
+    return float(stats.chisquare(observed.numpy(), wanted.numpy()).pvalue)
+
+
+def chi_square_pvalue(samples: torch.Tensor, exact: torch.Tensor) -> float:
+    """The smaller p-value of the (t1, t2) and (t2, t3) pair tests, Bonferroni-corrected (x2)."""
+    first = pair_pvalue(samples[:, :2], exact.sum(dim=2))
+    second = pair_pvalue(samples[:, 1:], exact.sum(dim=0))
+    return min(1.0, 2 * min(first, second))
+
+
+CASES = [
+    pytest.param(SamplingParams(temperature=1.0, seed=1), id="temperature-1"),
+    pytest.param(SamplingParams(temperature=0.7, top_k=6, seed=2), id="top-k"),
+    pytest.param(SamplingParams(temperature=1.2, top_p=0.8, seed=3), id="top-p"),
+]
+
+
+@pytest.mark.parametrize("params", CASES)
+def test_speculative_sampling_has_the_target_distribution(pair, params):
+    target, draft = pair
+    samples = speculative_samples(target, draft, params, "exact")
+    assert len(samples) == SAMPLES
+    assert chi_square_pvalue(samples, exact_distribution(target.checkpoint.model, params)) > ALPHA
+
+
+def test_broken_correction_rule_is_detected(pair, monkeypatch):
+    """Sampling the correction token from p instead of norm(max(0, p - q)) biases the output."""
+    target, draft = pair
+    params = CASES[0].values[0]
+    monkeypatch.setattr(engine.sampling, "_correction_distribution", lambda p, q, rejected: p)
+    samples = speculative_samples(target, draft, params, "broken")
+    assert chi_square_pvalue(samples, exact_distribution(target.checkpoint.model, params)) < ALPHA
+
+
+def test_same_seed_same_completions(pair):
+    target, draft = pair
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=42)
+    first = speculative_samples(target, draft, params, "a")
+    again = speculative_samples(target, draft, params, "b")
+    other = speculative_samples(target, draft, SamplingParams(temperature=0.9, top_p=0.95, seed=43), "c")
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
