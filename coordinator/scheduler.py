@@ -385,6 +385,7 @@ class Scheduler:
         """Extend each sample by its verdict and complete finished requests; returns the round's
         (draft tokens proposed, accepted) over its verdicts."""
         proposed = {p.sequence_id: list(p.token_ids) for p in proposals}
+        wire = {p.sequence_id: p.ByteSize() for p in proposals} if k else {}
         tokens_proposed = tokens_accepted = 0
         accepted_lens = []
         counted: set[int] = set()
@@ -395,6 +396,7 @@ class Scheduler:
             self._updates[verdict.sequence_id] = (verdict.accepted_len, verdict.next_token_id)
             request.usage.draft_tokens_proposed += len(tokens)
             request.usage.draft_tokens_accepted += verdict.accepted_len
+            request.usage.draft_proposal_bytes += wire.get(verdict.sequence_id, 0)
             tokens_proposed += len(tokens)
             tokens_accepted += verdict.accepted_len
             if id(request) not in counted:

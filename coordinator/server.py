@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 from pathlib import Path
 
 import grpc
@@ -23,6 +25,8 @@ from specserve.tls import TLSFiles
 from specserve.v1 import coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0
 
 
 async def serve_coordinator(args: argparse.Namespace) -> int:
@@ -63,9 +67,19 @@ async def serve_coordinator(args: argparse.Namespace) -> int:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("coordinator on %s:%d (target %s, draft %s)", args.host, bound, args.target, args.draft or "none")
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(_shutdown(server, health_servicer)))
     try:
         await server.wait_for_termination()
     finally:
         await router.stop()
         await server.stop(grace=1)
     return 0
+
+
+async def _shutdown(server: grpc.aio.Server, health_servicer: health.aio.HealthServicer) -> None:
+    """Report NOT_SERVING, then stop accepting calls and let running ones finish within the grace period."""
+    log.info("coordinator shutting down: NOT_SERVING, draining for up to %.0fs", SHUTDOWN_GRACE_S)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(SHUTDOWN_GRACE_S)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,7 @@ from specserve.v1 import model_pb2
 log = logging.getLogger(__name__)
 
 JANITOR_PERIOD_S = 5.0
+SHUTDOWN_GRACE_S = 5.0
 
 
 def sampling_from_proto(message: model_pb2.SamplingParams) -> SamplingParams:
@@ -129,8 +131,13 @@ def serve_model(servicer: ModelServicer, add_to_server: Callable[[Any, grpc.Serv
     servicer.set_runtime(runtime)
     set_serving(health_servicer, [service_name], True)
     log.info("%s serving %s on %s:%d", service_name, checkpoint.name, args.host, port)
-    stop = threading.Event()
+    stop = threading.Event()  # set by SIGTERM/SIGINT; the loop below also expires idle batches
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(JANITOR_PERIOD_S):
         for batch_id in runtime.expire_idle():
             log.info("expired idle batch %s", batch_id)
+    log.info("%s shutting down: NOT_SERVING, draining for up to %.0fs", service_name, SHUTDOWN_GRACE_S)
+    set_serving(health_servicer, [service_name], False)
+    server.stop(SHUTDOWN_GRACE_S).wait()
     return 0

@@ -131,3 +131,12 @@ def test_kv_budget_refuses_new_groups(checkpoints, tmp_path):
         assert "KV cache budget" in raised.value.details()
         small = stub.Generate(long_request(n=1, max_new=8), timeout=60)
         assert len(small.completions[0].token_ids) == 8
+
+
+def test_sigterm_drains_and_exits_cleanly(deployment):
+    stub = coordinator_stub(deployment.coordinator_address)
+    assert len(stub.Generate(long_request(n=1, max_new=4), timeout=60).completions) == 1
+    for role in ("coordinator", "draft", "target"):
+        process = deployment.servers[role].process
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0, f"{role} did not exit cleanly on SIGTERM"

@@ -97,8 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads here and OMP_NUM_THREADS of the gRPC services (default: torch's)")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="time budget of the quality-within-budget table (default: half of (a)'s wall time "
-                             "for the largest n)")
+                        help="time budget of the samples-within-budget table (default: (a)'s wall time for the largest "
+                             "measured n <= max(n)/2, i.e. the time (a) needs for half of the samples)")
     parser.add_argument("--bandwidth-mb", type=int, default=256, help="tensor size of the memory bandwidth probe")
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile of a BASS run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -353,7 +353,8 @@ def _budget(result: dict[str, Any], args: argparse.Namespace) -> list[dict[str, 
     for temperature in args.temperatures:
         points = [p for p in result["points"] if p["temperature"] == temperature]
         walls = {s: {p["n"]: p["systems"][s]["wall_s"] for p in points} for s in args.systems}
-        budget = args.budget_s or walls["a_batched"][n_max] / 2
+        half = max([n for n in walls["a_batched"] if n <= n_max / 2] or [min(walls["a_batched"])])
+        budget = args.budget_s or walls["a_batched"][half]  # the time (a) needs for (about) half of n_max
         row: dict[str, Any] = {"temperature": temperature, "n_max": n_max, "budget_s": budget, "systems": {}}
         for system, by_n in walls.items():
             done, best_n = finished_within(by_n, budget, n_max)
@@ -474,16 +475,20 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{format_bytes(row['bytes_per_step'])} | {row['bandwidth_floor_ms']:.3f} | "
                          f"{100 * row['achieved_fraction']:.1f}% |")
         lines.append("")
-    split_rows = [(p["temperature"], p["n"], p["systems"][s]["time_split"], s) for p in result["points"]
-                  for s in ("d_bass_fixed", BASS) if s in p["systems"]]
+    split_rows = [(p["temperature"], p["n"], p["systems"][s]["time_split"], s,
+                   1000 * p["systems"]["a_batched"]["wall_s"] / p["systems"]["a_batched"]["steps"])
+                  for p in result["points"] for s in ("d_bass_fixed", BASS) if s in p["systems"]]
     if split_rows:
         lines += ["**Where a BASS call spends its time** (last repeat; prefill counted as target)", "",
-                  "| system | temperature | n | rounds | draft | target | Python/other | ms per round |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|"]
-        for temperature, n, sp, system in split_rows:
+                  "| system | temperature | n | rounds | draft | target | Python/other | ms per round "
+                  "| draft ms/round | target ms/round | (a) ms/step |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for temperature, n, sp, system, a_step in split_rows:
+            per = 1000 / max(sp["rounds"], 1)
             lines.append(f"| `{system}` | {temperature:g} | {n} | {sp['rounds']} | {100 * sp['draft_share']:.0f}% | "
                          f"{100 * sp['target_share']:.0f}% | {100 * sp['other_share']:.0f}% | "
-                         f"{1000 * sp['total_s'] / max(sp['rounds'], 1):.1f} |")
+                         f"{per * sp['total_s']:.1f} | {per * sp['draft_s']:.1f} | {per * sp['target_s']:.1f} | "
+                         f"{a_step:.1f} |")
         lines.append("")
     prof = result.get("profile")
     if prof:
