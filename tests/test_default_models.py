@@ -9,6 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine.batch import GroupInput, pad_windows
+from engine.checkpoint import load_checkpoint
+from engine.sampling import SamplingParams
+from engine.target import TargetRuntime
+
 ROOT = Path(__file__).resolve().parents[1] / "models" / "default"
 TARGET, DRAFT = ROOT / "target", ROOT / "draft"
 
@@ -112,3 +117,24 @@ def test_greedy_generation_decodes(tokenizers, models):
         assert 0 < new.numel() <= 32
         text = tok.decode(new, skip_special_tokens=True)
         assert isinstance(text, str)
+
+
+@pytest.mark.parametrize("path", [TARGET, DRAFT], ids=["target", "draft"])
+@pytest.mark.parametrize("attention", ["bifurcated", "standard"])
+def test_specserve_runtime_logits_match_transformers(path, attention, tokenizers):
+    """specserve's own forward (prefill, then a ragged verify window over 3 samples) gives HF's logits."""
+    ids = tokenizers[0](DEF_PROMPT)["input_ids"]
+    runtime = TargetRuntime(load_checkpoint(path), attention=attention)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    prefix, window = ids[:-4], ids[-4:]
+    logits, _, _ = runtime.decoder.prefill(prefix)
+    with torch.inference_mode():
+        reference = hf(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(logits, reference[len(prefix) - 1], atol=1e-4, rtol=1e-4)
+    runtime.prefill("b", [GroupInput(0, prefix, [0, 1, 2], SamplingParams(), max_new_tokens=8)])
+    batch = runtime.get_batch("b")
+    tokens, widths = pad_windows([window, window[:2], window[:1]])
+    step = runtime.decoder.step(tokens, widths, batch.decoded(), batch.kv, last_only=False)
+    for row, width in enumerate((4, 2, 1)):
+        torch.testing.assert_close(step[row, :width], reference[len(prefix):len(prefix) + width], atol=1e-4,
+                                   rtol=1e-4)
