@@ -19,7 +19,7 @@ from coordinator.router import Router
 from coordinator.scheduler import SchedulerConfig
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
 from specserve import telemetry
-from specserve.grpc_server import CHANNEL_OPTIONS
+from specserve.grpc_server import CHANNEL_OPTIONS, bind
 from specserve.metrics import CoordinatorMetrics, start_metrics_server
 from specserve.tls import TLSFiles
 from specserve.v1 import coordinator_pb2_grpc
@@ -56,13 +56,7 @@ async def serve_coordinator(args: argparse.Namespace) -> int:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    address = f"{args.host}:{args.port}"
-    if tls.enabled:
-        bound = server.add_secure_port(address, tls.server_credentials())
-    else:
-        bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise OSError(f"cannot bind {address}")
+    bound = bind(server, f"{args.host}:{args.port}", tls)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

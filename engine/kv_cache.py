@@ -68,6 +68,21 @@ class KVLayout(ABC):
     def nbytes(self) -> int:
         """Bytes held by the cache tensors."""
 
+    def _regroup(self, keep: Sequence[bool]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Keep the flagged rows' groups: updates group sizes and prompt lengths, returns (kept row
+        indices, [start, end) of each kept group's prompt within the old packed prompts)."""
+        sizes, lens, spans, start, offset = [], [], [], 0, 0
+        for size, plen in zip(self.group_sizes, self.prefix_lens, strict=True):
+            kept = sum(keep[start : start + size])
+            if kept:
+                sizes.append(kept)
+                lens.append(plen)
+                spans.append((offset, offset + plen))
+            start += size
+            offset += plen
+        self.group_sizes, self.prefix_lens = sizes, lens
+        return torch.tensor([i for i, flag in enumerate(keep) if flag], dtype=torch.long), spans
+
     @staticmethod
     def _grow(slab: torch.Tensor, capacity: int) -> torch.Tensor:
         """A copy of slab [B, H, C, D] with capacity >= ``capacity`` along dim 2 (doubling)."""
@@ -112,24 +127,13 @@ class BifurcatedKV(KVLayout):
         self.prefix_lens.append(int(keys[0].shape[1]))
 
     def keep_rows(self, keep: Sequence[bool]) -> None:
-        row_index = torch.tensor([i for i, flag in enumerate(keep) if flag], dtype=torch.long)
-        prefix_keep: list[torch.Tensor] = []
-        sizes, lens, start, offset = [], [], 0, 0
-        for size, plen in zip(self.group_sizes, self.prefix_lens, strict=True):
-            kept = sum(keep[start : start + size])
-            if kept:
-                sizes.append(kept)
-                lens.append(plen)
-                prefix_keep.append(torch.arange(offset, offset + plen))
-            start += size
-            offset += plen
-        prefix_index = torch.cat(prefix_keep) if prefix_keep else torch.zeros(0, dtype=torch.long)
+        row_index, spans = self._regroup(keep)
+        prefix_index = torch.cat([torch.arange(lo, hi) for lo, hi in spans] or [torch.zeros(0, dtype=torch.long)])
         for layer in range(self.num_layers):
             self.prefix_k[layer] = self.prefix_k[layer][:, prefix_index]
             self.prefix_v[layer] = self.prefix_v[layer][:, prefix_index]
             self.decode_k[layer] = self.decode_k[layer][row_index]
             self.decode_v[layer] = self.decode_v[layer][row_index]
-        self.group_sizes, self.prefix_lens = sizes, lens
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, base: torch.Tensor) -> None:
         positions = base[:, None] + torch.arange(k.shape[2])[None, :]
@@ -180,18 +184,10 @@ class ExpandedKV(KVLayout):
         self.prefix_lens.append(plen)
 
     def keep_rows(self, keep: Sequence[bool]) -> None:
-        row_index = torch.tensor([i for i, flag in enumerate(keep) if flag], dtype=torch.long)
-        sizes, lens, start = [], [], 0
-        for size, plen in zip(self.group_sizes, self.prefix_lens, strict=True):
-            kept = sum(keep[start : start + size])
-            if kept:
-                sizes.append(kept)
-                lens.append(plen)
-            start += size
+        row_index, _ = self._regroup(keep)
         for layer in range(self.num_layers):
             self.k[layer] = self.k[layer][row_index]
             self.v[layer] = self.v[layer][row_index]
-        self.group_sizes, self.prefix_lens = sizes, lens
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, base: torch.Tensor) -> None:
         positions = self.row_prefix_lens()[:, None] + base[:, None] + torch.arange(k.shape[2])[None, :]

@@ -72,14 +72,18 @@ def create_server(service_names: Iterable[str], host: str, port: int, tls: TLSFi
     for name in ["", *names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    address = f"{host}:{port}"
+    return server, health_servicer, bind(server, f"{host}:{port}", tls)
+
+
+def bind(server: grpc.Server | grpc.aio.Server, address: str, tls: TLSFiles) -> int:
+    """Add a (TLS when configured) listening port to a sync or asyncio server; returns the bound port."""
     if tls.enabled:
         bound = server.add_secure_port(address, tls.server_credentials())
     else:
         bound = server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind {address}")
-    return server, health_servicer, bound
+    return bound
 
 
 def set_serving(health_servicer: health.HealthServicer, service_names: Iterable[str], serving: bool) -> None:
