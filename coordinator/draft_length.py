@@ -1,13 +1,17 @@
 """Adaptive draft length (BASS): one k per round for the whole batch, from its observed acceptance.
 
-Rule: start at ``initial``. After each round, if at least one sequence accepted all k proposed tokens,
-k grows by one (the draft was the bottleneck for the best sequence); otherwise k shrinks by one, since
-every sequence rejected a token and the last proposals were wasted work. k stays in [1, maximum]. Taking
-the best sequence rather than the worst means a single slow sequence cannot stall the rest: its
-rejected tokens cost only its own share of the verification pass.
+Rule: start at ``initial``. After each round, look at the share of live sequences that accepted all k
+proposed tokens: if at least half did, k grows by one (the draft is the bottleneck for the typical
+sequence); if fewer than a quarter did, k shrinks by one (most proposals were partly wasted); in between
+k stays. k stays in [1, maximum]. Following the median sequence, not the best or the worst, means a
+single slow sequence cannot stall the rest and a single lucky one cannot inflate k for everyone —
+with greedy decoding and a good draft k climbs, with high-temperature sampling it settles low.
 """
 
 from __future__ import annotations
+
+GROW_SHARE = 0.5
+SHRINK_SHARE = 0.25
 
 
 class DraftLength:
@@ -23,8 +27,9 @@ class DraftLength:
     def update(self, proposed: int, accepted: list[int]) -> int:
         """Record a round's per-sequence accepted lengths for a proposal of ``proposed`` tokens; returns the next k."""
         if self.adaptive and proposed and accepted:
-            if max(accepted) >= proposed:
+            full = sum(a >= proposed for a in accepted) / len(accepted)
+            if full >= GROW_SHARE:
                 self.k = min(self.k + 1, self.maximum)
-            else:
+            elif full < SHRINK_SHARE:
                 self.k = max(self.k - 1, 1)
         return self.k
