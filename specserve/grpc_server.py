@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.errors import InvalidInput, KVBudgetExceeded, UnknownBatch
+from engine.errors import InvalidInput, KVBudgetExceeded, ModelLoading, UnknownBatch
 from specserve.tls import TLSFiles
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownBatch, grpc.StatusCode.NOT_FOUND),
     (KVBudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ModelLoading, grpc.StatusCode.UNAVAILABLE),
 ]
 
 Handler = TypeVar("Handler", bound=Callable[..., Any])

@@ -12,6 +12,7 @@ import grpc
 
 from engine.batch import GroupInput
 from engine.checkpoint import load_checkpoint
+from engine.errors import ModelLoading
 from engine.runtime import ModelRuntime
 from engine.sampling import SamplingParams
 from specserve import telemetry
@@ -61,7 +62,7 @@ class ModelServicer:
 
     def _ready(self, context: grpc.ServicerContext) -> Any:
         if self.runtime is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+            raise ModelLoading("the model is still loading; retry shortly")
         return self.runtime
 
     @grpc_errors
