@@ -11,10 +11,9 @@ REPLACEMENT_CHAR = "\ufffd"
 
 @dataclass
 class Delta:
-    """What a round added to a sample: new token ids, new text, and the finish reason once finished."""
+    """What a round added to a sample: new token ids, and the finish reason once finished."""
 
     token_ids: list[int]
-    text: str
     finish_reason: str
 
 
@@ -61,7 +60,7 @@ class SampleOutput:
                 self.finish("stop")
             elif len(self.token_ids) >= self.max_new_tokens:
                 self.finish("length")
-        return Delta(self.token_ids[start:], self._new_text(), self.finish_reason)
+        return Delta(self.token_ids[start:], self.finish_reason)
 
     def _hit_stop(self) -> bool:
         text = self.codec.decode(self.token_ids)
@@ -70,7 +69,9 @@ class SampleOutput:
             self._text = text[: min(cuts)]
         return bool(cuts)
 
-    def _new_text(self) -> str:
+    def take_text(self) -> str:
+        """Text not handed out yet (for streaming): held back while it may still be cut by a stop
+        string or ends inside a multi-byte character; everything once the sample finished."""
         text = self.text
         if not self.finished:
             # Hold back an incomplete UTF-8 sequence and anything that may still become a stop string.

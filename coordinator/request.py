@@ -63,7 +63,8 @@ class Request:
         if self.stream and (delta.token_ids or delta.finish_reason):
             self.streamed = True
             self.chunks.put_nowait(coordinator_pb2.GenerateChunk(
-                index=sample.index, token_ids=delta.token_ids, text=delta.text, finish_reason=delta.finish_reason))
+                index=sample.index, token_ids=delta.token_ids, text=sample.take_text(),
+                finish_reason=delta.finish_reason))
 
     def timing(self) -> coordinator_pb2.Timing:
         """Queue wait, time to first token, mean inter-token latency and total time, in seconds."""

@@ -101,6 +101,17 @@ def _softmax_parts(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor,
     return out, lse
 
 
+_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _fused_parts(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(qg kg^T * scale) vg, logsumexp) for [Hkv, M, D] queries over [Hkv, P, D] keys with PyTorch's
+    fused CPU flash-attention primitive: the same folded-rows product, tiled so the scores stay in cache."""
+    out, lse = _FUSED_CPU(qg[None], kg[None], vg[None], 0.0, False, scale=scale)
+    return out[0].to(torch.float32), lse[0]
+
+
 def context_attention(
     q: torch.Tensor,
     prefix_k: torch.Tensor,
@@ -108,13 +119,19 @@ def context_attention(
     prefix_offsets: Sequence[int],
     group_offsets: Sequence[int],
     scale: float,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every query over the shared prefix of its group only.
 
     Returns ``(o, lse)``: ``o`` [B, Hq, W, D] fp32 and ``lse`` [B, Hq, W] fp32 (log-sum-exp of the scaled
-    scores). Each (group, kv head) is ONE matmul with M = n * r * W folded rows against the prefix keys of
+    scores). Each (group, kv head) is ONE product with M = n * r * W folded rows against the prefix keys of
     the group, which are read in place (never copied n-fold). Every prefix has >= 1 key, so lse is finite.
+    ``fused`` (default: on CPU tensors when available) computes each group's product with PyTorch's fused
+    CPU flash-attention primitive instead of two matmuls and a materialized score matrix; both give the
+    same result up to rounding.
     """
+    if fused is None:
+        fused = q.device.type == "cpu" and _FUSED_CPU is not None
     r = validate_layout(q, prefix_k, prefix_v, prefix_offsets, group_offsets)
     batch, hq, window, dim = q.shape
     hkv = prefix_k.shape[0]
@@ -129,11 +146,14 @@ def context_attention(
         plo, phi = prefix_offsets[g], prefix_offsets[g + 1]
         # [n, Hq, W, D] -> [Hkv, n * r * W, D]: samples, shared query heads and window fold into M.
         qg = q[lo:hi].reshape(n, hkv, r, window, dim).transpose(0, 1).reshape(hkv, n * r * window, dim)
-        qg = (qg.to(torch.float32) * scale).to(cdt)
         kg = prefix_k[:, plo:phi].to(cdt)  # a view (the shared prefix is read in place)
         vg = prefix_v[:, plo:phi].to(cdt)
-        scores = torch.matmul(qg, kg.transpose(-1, -2)).to(torch.float32)  # [Hkv, M, P]
-        og, lg = _softmax_parts(scores, vg)
+        if fused:
+            og, lg = _fused_parts(qg.to(cdt), kg, vg, scale)
+        else:
+            qg = (qg.to(torch.float32) * scale).to(cdt)
+            scores = torch.matmul(qg, kg.transpose(-1, -2)).to(torch.float32)  # [Hkv, M, P]
+            og, lg = _softmax_parts(scores, vg)
         out[lo:hi] = og.reshape(hkv, n, r, window, dim).transpose(0, 1).reshape(n, hq, window, dim)
         lse[lo:hi] = lg.reshape(hkv, n, r, window).transpose(0, 1).reshape(n, hq, window)
     return out, lse

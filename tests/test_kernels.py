@@ -180,10 +180,11 @@ def test_standard_attention_on_expanded_layout_matches() -> None:
     assert_close(bifurcated_attention(*case.args()), std, torch.float32)
 
 
-def test_context_lse_is_logsumexp_of_prefix_scores() -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["matmuls", "fused-cpu"])
+def test_context_lse_is_logsumexp_of_prefix_scores(fused: bool) -> None:
     case = make_case(kv_heads=2, ratio=4, window=5, seed=5)
     o, lse = context_attention(
-        case.q, case.prefix_k, case.prefix_v, case.prefix_offsets, case.group_offsets, case.scale
+        case.q, case.prefix_k, case.prefix_v, case.prefix_offsets, case.group_offsets, case.scale, fused=fused
     )
     g, b = 2, case.group_offsets[2] + 1
     plo, phi = case.prefix_offsets[g], case.prefix_offsets[g + 1]
