@@ -6,6 +6,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -51,6 +52,9 @@ class ModelServicer:
 
     def __init__(self) -> None:
         self.runtime: Any = None
+        # All model work runs on this one thread: torch keeps one OpenMP thread team per calling thread, so
+        # handing forwards to whichever gRPC worker took the call would multiply the teams (and the spinning).
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-compute")
         self.metrics = ModelMetrics()
         self.model_attributes: dict[str, Any] = {}
 
@@ -59,6 +63,10 @@ class ModelServicer:
         self.model_attributes = {"gen_ai.request.model": runtime.checkpoint.name}
         self.metrics.track_runtime(runtime.stats)
         self.runtime = runtime
+
+    def on_compute_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the service's single compute thread and return its result (or raise)."""
+        return self._compute.submit(fn, *args).result()
 
     def _ready(self, context: grpc.ServicerContext) -> Any:
         if self.runtime is None:
@@ -86,7 +94,8 @@ class ModelServicer:
                       "specserve.prompt_tokens": sum(len(g.prompt_token_ids) for g in request.groups)}
         with telemetry.server_span(f"{runtime.role}.prefill", context, attributes) as span, \
                 self.metrics.forward.labels("prefill").time():
-            first = runtime.prefill(request.batch_id, [group_from_proto(g) for g in request.groups])
+            first = self.on_compute_thread(runtime.prefill, request.batch_id,
+                                           [group_from_proto(g) for g in request.groups])
             kv_bytes = runtime.kv_bytes_in_use()
             span.set_attribute("specserve.kv_bytes", kv_bytes)
         return model_pb2.PrefillResponse(
@@ -104,7 +113,8 @@ class ModelServicer:
     def Release(self, request: model_pb2.ReleaseRequest, context: grpc.ServicerContext  # noqa: N802
                 ) -> model_pb2.ReleaseResponse:
         runtime: ModelRuntime = self._ready(context)
-        return model_pb2.ReleaseResponse(released_sequences=runtime.release(request.batch_id, request.sequence_ids))
+        released = self.on_compute_thread(runtime.release, request.batch_id, list(request.sequence_ids))
+        return model_pb2.ReleaseResponse(released_sequences=released)
 
 
 def serve_model(servicer: ModelServicer, add_to_server: Callable[[Any, grpc.Server], None], service_name: str,

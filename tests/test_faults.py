@@ -13,7 +13,7 @@ from conftest import coordinator_stub
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hf_oracle import greedy
 
-from specserve.processes import Deployment, ServerProcess
+from specserve.processes import Deployment, ServerProcess, free_port
 from specserve.v1 import coordinator_pb2, model_pb2, model_pb2_grpc
 
 PROMPT = [7, 21, 9, 30, 11]
@@ -140,3 +140,33 @@ def test_sigterm_drains_and_exits_cleanly(deployment):
         process = deployment.servers[role].process
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0, f"{role} did not exit cleanly on SIGTERM"
+
+
+def test_request_retried_on_another_target_replica(checkpoints, tmp_path):
+    """A target replica killed mid-request: a unary request (nothing streamed yet) finishes on the other
+    replica with the same greedy output."""
+    targets = [ServerProcess("target", free_port(), ["--model", str(checkpoints["llama"])], tmp_path / f"t{i}.log")
+               for i in range(2)]
+    coordinator = ServerProcess("coordinator", free_port(), ["--target", ",".join(t.address for t in targets)],
+                                tmp_path / "c.log")
+    try:
+        for server in targets:
+            server.start()
+        for server in targets:
+            server.wait_serving()
+        coordinator.start().wait_serving()
+        stub = coordinator_stub(coordinator.address)
+        future = stub.Generate.future(long_request(n=2, max_new=450), timeout=300)
+        deadline = time.monotonic() + 30
+        busy = None
+        while busy is None and time.monotonic() < deadline:
+            busy = next((t for t in targets if stats(t).sequences > 0), None)
+        assert busy is not None, "the request never reached a replica"
+        busy.stop(signal.SIGKILL)
+        response = future.result()
+        expected = greedy(checkpoints["llama"], PROMPT, 450, None)
+        assert [list(c.token_ids) for c in response.completions] == [expected, expected]
+    finally:
+        coordinator.stop()
+        for server in targets:
+            server.stop()
