@@ -18,16 +18,22 @@ DEFAULT_MODELS = Path(__file__).resolve().parents[1] / "models" / "default"
 DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``specserve demo``."""
+def add_workload_arguments(parser: argparse.ArgumentParser, max_new_tokens: int = 64, temperature: float = 0.8,
+                           top_p: float = 0.95, seed: int = 1) -> None:
+    """The demo workload's flags (models, prompt, n, length, sampling), shared by demo, trace and benchmarks."""
     parser.add_argument("--target-model", default=str(DEFAULT_MODELS / "target"))
     parser.add_argument("--draft-model", default=str(DEFAULT_MODELS / "draft"))
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("-n", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=temperature)
+    parser.add_argument("--top-p", type=float, default=top_p)
+    parser.add_argument("--seed", type=int, default=seed)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``specserve demo``."""
+    add_workload_arguments(parser)
     parser.add_argument("--attention", default="bifurcated", choices=["bifurcated", "standard"])
 
 

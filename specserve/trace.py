@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from specserve.demo import DEFAULT_MODELS, DEFAULT_PROMPT
+from specserve.demo import add_workload_arguments
 from specserve.generate import print_response
 from specserve.grpc_server import open_channel
 from specserve.otlp_receiver import OtlpReceiver, ReceivedSpan
@@ -114,15 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                               "(default: start a deployment of --target-model/--draft-model)")
     parser.add_argument("--receiver-port", type=int, default=0, help="port of the in-process OTLP receiver "
                                                                      "(0 = any free port)")
-    parser.add_argument("--target-model", default=str(DEFAULT_MODELS / "target"))
-    parser.add_argument("--draft-model", default=str(DEFAULT_MODELS / "draft"),
-                        help="draft checkpoint ('' for plain decoding on the target)")
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("-n", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(parser, max_new_tokens=32, temperature=0.0, top_p=1.0, seed=0)
     parser.add_argument("--out", default="trace.html", help="HTML waterfall to write")
     parser.add_argument("--png", help="also write the waterfall as a PNG here")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the spans")

@@ -7,31 +7,19 @@ wheel on PyPI (compose/config/compose_spec.json), vendored because tests run off
 from __future__ import annotations
 
 import copy
-import io
 import json
 import re
-from contextlib import redirect_stderr
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 import yaml
-
-from specserve.cli import build_parser
+from cli_parsing import parse_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECSERVE_SERVICES = ("draft", "target", "coordinator")
 
-
-def parse_cli(argv: list[str], source: str) -> Any:
-    errors = io.StringIO()
-    try:
-        with redirect_stderr(errors):
-            return build_parser().parse_args(argv)
-    except SystemExit:
-        message = errors.getvalue().strip().splitlines()[-1]
-        pytest.fail(f"specserve CLI rejects the command of {source}: {message}\n  argv: {argv}")
 
 
 @pytest.fixture(scope="module")

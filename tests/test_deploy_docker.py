@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -11,15 +10,13 @@ import subprocess
 import sys
 import tomllib
 from concurrent import futures
-from contextlib import redirect_stderr
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from cli_parsing import parse_cli
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-from specserve.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,15 +57,6 @@ def healthcheck_code(text: str) -> str:
     assert argv[:2] == ["python", "-c"]
     return argv[2]
 
-
-def parse_cli(argv: list[str], source: str) -> Any:
-    errors = io.StringIO()
-    try:
-        with redirect_stderr(errors):
-            return build_parser().parse_args(argv)
-    except SystemExit:
-        message = errors.getvalue().strip().splitlines()[-1]
-        pytest.fail(f"specserve CLI rejects the command of {source}: {message}\n  argv: {argv}")
 
 
 @pytest.fixture(scope="module")

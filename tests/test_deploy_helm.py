@@ -6,9 +6,7 @@ unknown fields fail), every container's args are parsed by the specserve CLI, an
 
 from __future__ import annotations
 
-import io
 import re
-from contextlib import redirect_stderr
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +14,7 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
-
-from specserve.cli import build_parser
+from cli_parsing import parse_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "specserve"
@@ -83,16 +80,6 @@ def expanded_args(objects: list[dict[str, Any]], main: dict[str, Any]) -> list[s
 
     return [expand(arg) for arg in main["args"]]
 
-
-def parse_cli(argv: list[str], source: str) -> Any:
-    """Parse a command line with the specserve CLI; fail naming the flags the CLI does not know."""
-    errors = io.StringIO()
-    try:
-        with redirect_stderr(errors):
-            return build_parser().parse_args(argv)
-    except SystemExit:
-        message = errors.getvalue().strip().splitlines()[-1]
-        pytest.fail(f"specserve CLI rejects the command of {source}: {message}\n  argv: {argv}")
 
 
 @pytest.fixture(scope="module")

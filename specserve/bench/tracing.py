@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specserve.bench.timing import host_info, time_interleaved_samples
-from specserve.demo import DEFAULT_MODELS, DEFAULT_PROMPT
+from specserve.demo import add_workload_arguments
 from specserve.grpc_server import open_channel
 from specserve.otlp_receiver import OtlpReceiver
 from specserve.processes import Deployment
@@ -24,14 +24,7 @@ from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``specserve bench tracing``."""
-    parser.add_argument("--target-model", default=str(DEFAULT_MODELS / "target"))
-    parser.add_argument("--draft-model", default=str(DEFAULT_MODELS / "draft"))
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("-n", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--seed", type=int, default=1)
+    add_workload_arguments(parser)
     parser.add_argument("--repeats", type=int, default=10, help="timed requests per configuration and cycle")
     parser.add_argument("--cycles", type=int, default=3,
                         help="fresh pairs of deployments (start order alternating), against per-process luck")
