@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import signal
 import threading
@@ -65,8 +66,9 @@ class ModelServicer:
         self.runtime = runtime
 
     def on_compute_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` on the service's single compute thread and return its result (or raise)."""
-        return self._compute.submit(fn, *args).result()
+        """Run ``fn(*args)`` on the service's single compute thread, in the caller's context (so the current
+        trace span stays the parent), and return its result (or raise)."""
+        return self._compute.submit(contextvars.copy_context().run, fn, *args).result()
 
     def _ready(self, context: grpc.ServicerContext) -> Any:
         if self.runtime is None:
