@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -13,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import build_checkpoint, train_tokenizer  # noqa: E402
 
-from specserve.processes import Deployment  # noqa: E402
+from specserve.processes import Deployment, ServerProcess, free_port  # noqa: E402
 from specserve.v1 import coordinator_pb2_grpc  # noqa: E402
 
 
@@ -57,3 +58,25 @@ def deployments(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathF
 def coordinator_stub(address: str) -> coordinator_pb2_grpc.CoordinatorStub:
     """A stub on a fresh channel to the coordinator."""
     return coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(address))
+
+
+@contextmanager
+def target_replicas(model: Path, log_dir: Path, count: int, *coordinator_args: str
+                    ) -> Iterator[tuple[list[ServerProcess], ServerProcess]]:
+    """``count`` target replicas of ``model`` behind one coordinator (static endpoint list), stopped on exit."""
+    targets = [ServerProcess("target", free_port(), ["--model", str(model)], log_dir / f"t{i}.log")
+               for i in range(count)]
+    coordinator = ServerProcess("coordinator", free_port(),
+                                ["--target", ",".join(t.address for t in targets), *coordinator_args],
+                                log_dir / "c.log")
+    try:
+        for server in targets:
+            server.start()
+        for server in targets:
+            server.wait_serving()
+        coordinator.start().wait_serving()
+        yield targets, coordinator
+    finally:
+        coordinator.stop()
+        for server in targets:
+            server.stop()

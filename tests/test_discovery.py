@@ -13,11 +13,10 @@ from urllib.parse import parse_qs, urlparse
 
 import grpc
 import pytest
-from conftest import coordinator_stub
+from conftest import coordinator_stub, target_replicas
 from kubernetes import client
 
 from coordinator.discovery import DNSDiscovery, KubernetesDiscovery, StaticDiscovery, parse_endpoint_spec
-from specserve.processes import ServerProcess, free_port
 from specserve.v1 import coordinator_pb2, model_pb2, model_pb2_grpc
 
 
@@ -83,17 +82,7 @@ def test_kubernetes_endpointslices_respect_readiness():
 
 
 def test_batches_balance_across_target_replicas(checkpoints, tmp_path):
-    targets = [ServerProcess("target", free_port(), ["--model", str(checkpoints["llama"])], tmp_path / f"t{i}.log")
-               for i in range(2)]
-    coordinator = ServerProcess("coordinator", free_port(),
-                                ["--target", ",".join(t.address for t in targets), "--max-batch-sequences", "2"],
-                                tmp_path / "c.log")
-    try:
-        for server in targets:
-            server.start()
-        for server in targets:
-            server.wait_serving()
-        coordinator.start().wait_serving()
+    with target_replicas(checkpoints["llama"], tmp_path, 2, "--max-batch-sequences", "2") as (targets, coordinator):
         stub = coordinator_stub(coordinator.address)
         request = coordinator_pb2.GenerateRequest(prompt_token_ids=[3, 4, 5], n=2, max_new_tokens=300,
                                                   ignore_eos=True)
@@ -109,7 +98,3 @@ def test_batches_balance_across_target_replicas(checkpoints, tmp_path):
             outputs = [list(f.result().completions[0].token_ids) for f in futures]
         assert seen == [2, 2], "each replica should have run one of the two batches"
         assert outputs[0] == outputs[1]
-    finally:
-        coordinator.stop()
-        for server in targets:
-            server.stop()

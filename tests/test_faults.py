@@ -9,11 +9,11 @@ import time
 
 import grpc
 import pytest
-from conftest import coordinator_stub
+from conftest import coordinator_stub, target_replicas
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hf_oracle import greedy
 
-from specserve.processes import Deployment, ServerProcess, free_port
+from specserve.processes import Deployment, ServerProcess
 from specserve.v1 import coordinator_pb2, model_pb2, model_pb2_grpc
 
 PROMPT = [7, 21, 9, 30, 11]
@@ -145,16 +145,7 @@ def test_sigterm_drains_and_exits_cleanly(deployment):
 def test_request_retried_on_another_target_replica(checkpoints, tmp_path):
     """A target replica killed mid-request: a unary request (nothing streamed yet) finishes on the other
     replica with the same greedy output."""
-    targets = [ServerProcess("target", free_port(), ["--model", str(checkpoints["llama"])], tmp_path / f"t{i}.log")
-               for i in range(2)]
-    coordinator = ServerProcess("coordinator", free_port(), ["--target", ",".join(t.address for t in targets)],
-                                tmp_path / "c.log")
-    try:
-        for server in targets:
-            server.start()
-        for server in targets:
-            server.wait_serving()
-        coordinator.start().wait_serving()
+    with target_replicas(checkpoints["llama"], tmp_path, 2) as (targets, coordinator):
         stub = coordinator_stub(coordinator.address)
         future = stub.Generate.future(long_request(n=2, max_new=450), timeout=300)
         deadline = time.monotonic() + 30
@@ -166,7 +157,3 @@ def test_request_retried_on_another_target_replica(checkpoints, tmp_path):
         response = future.result()
         expected = greedy(checkpoints["llama"], PROMPT, 450, None)
         assert [list(c.token_ids) for c in response.completions] == [expected, expected]
-    finally:
-        coordinator.stop()
-        for server in targets:
-            server.stop()

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 
-from specserve.bench.timing import format_bytes, host_info, time_interleaved
+from specserve.bench.timing import format_bytes, host_info, kernel_setup, time_interleaved
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,12 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_attention_bench(args: argparse.Namespace) -> dict[str, object]:
     """Run the benchmark described by ``args`` and return the result record (medians in seconds)."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    backend = args.backend or ("triton" if device.type == "cuda" else "torch")
-    if backend == "triton" and device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # only effective if triton is not imported yet
+    device, backend = kernel_setup(args.threads, args.device, args.backend)
     from kernels import get_bifurcated_attention
     from kernels.bifurcated import kv_cache_bytes
     from kernels.standard import expand_bifurcated_kv, standard_attention

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.bench.timing import format_bytes, host_info, time_interleaved
+from specserve.bench.timing import format_bytes, host_info, kernel_setup, time_interleaved
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -229,12 +229,7 @@ def run_point(
 
 def run_decode_bench(args: argparse.Namespace) -> dict[str, object]:
     """Run every (n, context) point of ``args`` and return the result record (medians in seconds)."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    backend = args.backend or ("triton" if device.type == "cuda" else "torch")
-    if backend == "triton" and device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # only effective if triton is not imported yet
+    device, backend = kernel_setup(args.threads, args.device, args.backend)
     from kernels import get_bifurcated_attention
     from kernels.bifurcated import kv_cache_bytes
 

@@ -11,6 +11,18 @@ from collections.abc import Callable
 import torch
 
 
+def kernel_setup(threads: int | None, device: str | None, backend: str | None) -> tuple[torch.device, str]:
+    """Apply the torch thread count and resolve (device, bifurcated backend): CUDA and Triton when available,
+    else CPU and torch; Triton on CPU turns on its interpreter (effective only before triton is imported)."""
+    if threads:
+        torch.set_num_threads(threads)
+    resolved = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = backend or ("triton" if resolved.type == "cuda" else "torch")
+    if name == "triton" and resolved.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return resolved, name
+
+
 def synchronize() -> None:
     """Wait for queued CUDA work (a no-op without CUDA), so that wall-clock timings are complete."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
