@@ -159,6 +159,16 @@ def context_attention(
     return out, lse
 
 
+def decode_head_ratio(q: torch.Tensor, decode_k: torch.Tensor) -> int:
+    """Query heads per kv head for q [B, Hq, W, D] over a decode cache [B, Hkv, C, D]; raises ValueError
+    when the batch, head or dim sizes do not fit together."""
+    batch, hq, _, dim = q.shape
+    hkv = decode_k.shape[1]
+    if hq % hkv != 0 or decode_k.shape[0] != batch or decode_k.shape[3] != dim:
+        raise ValueError(f"incompatible q {tuple(q.shape)} and decode cache {tuple(decode_k.shape)}")
+    return hq // hkv
+
+
 def decode_attention(
     q: torch.Tensor,
     decode_k: torch.Tensor,
@@ -176,9 +186,7 @@ def decode_attention(
     """
     batch, hq, window, dim = q.shape
     hkv = decode_k.shape[1]
-    if hq % hkv != 0 or decode_k.shape[0] != batch or decode_k.shape[3] != dim:
-        raise ValueError(f"incompatible q {tuple(q.shape)} and decode cache {tuple(decode_k.shape)}")
-    r = hq // hkv
+    r = decode_head_ratio(q, decode_k)
     out = torch.zeros(batch, hq, window, dim, dtype=torch.float32, device=q.device)
     lse = torch.full((batch, hq, window), float("-inf"), dtype=torch.float32, device=q.device)
     if batch == 0:

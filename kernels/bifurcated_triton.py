@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.bifurcated import validate_layout
+from kernels.bifurcated import decode_head_ratio, validate_layout
 
 __all__ = ["bifurcated_attention_triton", "triton_interpreted"]
 
@@ -208,6 +208,18 @@ def _blocks(device: torch.device) -> tuple[int, int]:
     return 64, 64
 
 
+def _output_args(out: torch.Tensor, lse: torch.Tensor, scale: float) -> tuple:
+    """The launch arguments both kernels take after their inputs: output/LSE strides and the log2 scale."""
+    return (out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), scale * _LOG2E)
+
+
+def _constexprs(q: torch.Tensor, r: int, block_m: int, block_n: int) -> dict[str, object]:
+    """Compile-time parameters both kernels share, for queries q [B, Hq, W, D] and r query heads per kv head."""
+    window, dim = q.shape[2], q.shape[3]
+    return dict(R=r, W=window, D=dim, BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_D=triton.next_power_of_2(max(dim, 16)), PRECISION="ieee", DOT_FP32=_dot_fp32(q))
+
+
 def _dot_fp32(q: torch.Tensor) -> bool:
     """Upcast tl.dot operands to fp32 under the interpreter (its bf16/fp16 dot is wrong) or for fp32."""
     return q.dtype == torch.float32 or q.device.type == "cpu" or triton_interpreted()
@@ -284,10 +296,7 @@ def context_attention_triton(
     _context_kernel[(len(tile_group), hkv)](
         q, prefix_k, prefix_v, out, lse, tg, ts, po, go,
         *q.stride(), *prefix_k.stride(), *prefix_v.stride(),
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        scale * _LOG2E,
-        R=r, W=window, D=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(max(dim, 16)), PRECISION="ieee", DOT_FP32=_dot_fp32(q),
+        *_output_args(out, lse, scale), **_constexprs(q, r, block_m, block_n),
     )
     return out, lse
 
@@ -308,9 +317,7 @@ def decode_attention_triton(
     _check_runnable(q)
     batch, hq, window, dim = q.shape
     hkv = decode_k.shape[1]
-    if hq % hkv != 0 or decode_k.shape[0] != batch or decode_k.shape[3] != dim:
-        raise ValueError(f"incompatible q {tuple(q.shape)} and decode cache {tuple(decode_k.shape)}")
-    r = hq // hkv
+    r = decode_head_ratio(q, decode_k)
     block_m, block_n = _blocks(q.device)
     out = torch.empty(batch, hq, window, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, hq, window, dtype=torch.float32, device=q.device)
@@ -322,10 +329,7 @@ def decode_attention_triton(
     _decode_kernel[grid](
         q, decode_k, decode_v, out, lse, base, lens,
         *q.stride(), *decode_k.stride(), *decode_v.stride(),
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        scale * _LOG2E,
-        R=r, W=window, D=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(max(dim, 16)), PRECISION="ieee", DOT_FP32=_dot_fp32(q),
+        *_output_args(out, lse, scale), **_constexprs(q, r, block_m, block_n),
     )
     return out, lse
 
