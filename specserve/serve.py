@@ -25,7 +25,9 @@ def _common(parser: argparse.ArgumentParser, role: str) -> None:
 
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
+    parser.add_argument("--model", default=None,
+                        help="local Hugging Face checkpoint directory (default: the default pair's model of this "
+                             "role: SmolLM2-135M-Instruct converted once into the cache, or models/smollm2-draft)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--attention", default="bifurcated", choices=["bifurcated", "standard"],
                         help="KV layout: prompt KV shared by a group's samples, or copied per sample")
@@ -75,7 +77,14 @@ def run(args: argparse.Namespace) -> int:
         from coordinator.server import serve_coordinator
 
         return asyncio.run(serve_coordinator(args))
+    from engine.default_models import DefaultModelError, default_model
     from specserve.model_service import serve_model
+
+    if args.model is None:
+        try:
+            args.model = str(default_model(args.role))
+        except DefaultModelError as error:
+            raise SystemExit(str(error)) from error
 
     if args.role == "draft":
         from draft_service.servicer import SERVICE_NAME, DraftServicer, add_to_server

@@ -23,6 +23,7 @@ import grpc
 from specserve.demo import add_workload_arguments
 from specserve.generate import print_response
 from specserve.grpc_server import open_channel
+from specserve.model_pair import resolve_model_pair
 from specserve.otlp_receiver import OtlpReceiver, ReceivedSpan
 from specserve.processes import Deployment
 from specserve.tls import TLSFiles
@@ -114,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                               "(default: start a deployment of --target-model/--draft-model)")
     parser.add_argument("--receiver-port", type=int, default=0, help="port of the in-process OTLP receiver "
                                                                      "(0 = any free port)")
-    add_workload_arguments(parser, max_new_tokens=32, temperature=0.0, top_p=1.0, seed=0)
+    add_workload_arguments(parser, max_new_tokens=32, temperature=0.0, top_p=1.0, seed=0, optional_draft=True)
     parser.add_argument("--out", default="trace.html", help="HTML waterfall to write")
     parser.add_argument("--png", help="also write the waterfall as a PNG here")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the spans")
@@ -157,9 +158,7 @@ def run(args: argparse.Namespace) -> int:
         if args.coordinator:
             print(f"OTLP receiver on {receiver.endpoint}", flush=True)
             return _trace(args, receiver, args.coordinator)
-        for path in filter(None, (args.target_model, args.draft_model)):
-            if not (Path(path) / "config.json").is_file():
-                raise SystemExit(f"no model at {path}: pass --target-model/--draft-model (local HF checkpoints)")
+        resolve_model_pair(args)
         with tempfile.TemporaryDirectory() as logs:
             print(f"starting draft, target and coordinator exporting to {receiver.endpoint} (logs in {logs}) ...",
                   flush=True)

@@ -87,7 +87,7 @@ def test_model_services_read_the_mounted_models(compose: dict[str, Any], name: s
     args = served(compose, name)
     assert args.model == f"/models/{name}"
     (volume,) = compose["services"][name]["volumes"]
-    assert volume == {"type": "bind", "source": "./models/default", "target": "/models", "read_only": True}
+    assert volume == {"type": "bind", "source": "./models/tiny", "target": "/models", "read_only": True}
     assert "ports" not in compose["services"][name]  # only the coordinator is published
 
 

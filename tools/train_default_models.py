@@ -15,7 +15,7 @@ Everything is built offline from the Python standard library's own source code:
 
 Example (the command used for the committed checkpoints is in models/README.md)::
 
-    python tools/train_default_models.py --out models/default --seed 0 \
+    python tools/train_default_models.py --out models/tiny --seed 0 \
         --minutes-target 14 --minutes-draft 8
 
 Passing ``--steps-target``/``--steps-draft`` instead of minutes fixes the step counts (the counts a
@@ -478,7 +478,7 @@ def cpu_name() -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="models/default")
+    ap.add_argument("--out", default="models/tiny")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=256)

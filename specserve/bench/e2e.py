@@ -42,8 +42,7 @@ from engine.target import TargetRuntime
 from specserve.bench.prompts import code_prompts
 from specserve.bench.speculative import RunStats, engine_bass, engine_batched, hf_assisted, hf_generate
 from specserve.bench.timing import format_bytes, host_info, time_interleaved_samples
-
-DEFAULT_MODELS = Path(__file__).resolve().parents[2] / "models" / "default"
+from specserve.model_pair import add_model_pair_arguments, resolve_model_pair
 
 SYSTEMS: dict[str, str] = {
     "a_batched": "(a) specserve batched decoding (target only)",
@@ -82,8 +81,7 @@ def _system_list(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the options of ``specserve bench e2e``."""
-    parser.add_argument("--target-model", default=str(DEFAULT_MODELS / "target"))
-    parser.add_argument("--draft-model", default=str(DEFAULT_MODELS / "draft"))
+    add_model_pair_arguments(parser)
     parser.add_argument("--n", type=_int_list, default=[1, 2, 4, 8, 16], help="comma-separated samples per prompt")
     parser.add_argument("--temperatures", type=_float_list, default=[0.0, 0.8], help="comma-separated; 0 = greedy")
     parser.add_argument("--draft-len", type=int, default=4, help="fixed k, and the adaptive rule's initial k")
@@ -255,6 +253,7 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
     Guarantees: every system generated exactly max_new_tokens per sample on the same prompts; medians over
     ``--repeats``; ``outputs`` hold the last repeat's tokens ([prompt][sample]) for each system and point.
     """
+    resolve_model_pair(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers

@@ -18,11 +18,11 @@ import grpc
 
 from specserve.bench.timing import host_info
 from specserve.grpc_server import open_channel
+from specserve.model_pair import add_model_pair_arguments, resolve_model_pair
 from specserve.processes import Deployment
 from specserve.tls import TLSFiles
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-DEFAULT_MODELS = Path(__file__).resolve().parents[2] / "models" / "default"
 PROMPTS = ["def merge_sorted(a, b):\n", "class LRUCache:\n    def __init__(self, capacity):\n",
            "import os\n\ndef walk_files(root):\n    \"\"\"Yield every file below root.\"\"\"\n",
            "def parse_header(line):\n", "    for key, value in items.items():\n"]
@@ -121,8 +121,7 @@ def run_load(address: str, requests: list[coordinator_pb2.GenerateRequest], clie
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``specserve bench load``."""
     parser.add_argument("--coordinator", help="HOST:PORT of a running coordinator (else a local deployment starts)")
-    parser.add_argument("--target-model", default=str(DEFAULT_MODELS / "target"))
-    parser.add_argument("--draft-model", default=str(DEFAULT_MODELS / "draft"))
+    add_model_pair_arguments(parser)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -135,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     if args.coordinator:
         result = run_load(args.coordinator, requests, args.clients)
     else:
+        resolve_model_pair(args)
         with Deployment(args.target_model, args.draft_model) as deployment:
             result = run_load(deployment.coordinator_address, requests, args.clients)
     summary = {**result.summary(), "clients": args.clients, "temperature": args.temperature, "host": host_info()}

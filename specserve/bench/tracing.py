@@ -16,6 +16,7 @@ from pathlib import Path
 from specserve.bench.timing import host_info, time_interleaved_samples
 from specserve.demo import add_workload_arguments
 from specserve.grpc_server import open_channel
+from specserve.model_pair import resolve_model_pair
 from specserve.otlp_receiver import OtlpReceiver
 from specserve.processes import Deployment
 from specserve.tls import TLSFiles
@@ -40,9 +41,7 @@ def _caller(address: str, request: coordinator_pb2.GenerateRequest) -> tuple[Cal
 
 def run(args: argparse.Namespace) -> int:
     """Measure and print the median request time with tracing off and on, and their ratio."""
-    for path in (args.target_model, args.draft_model):
-        if not (Path(path) / "config.json").is_file():
-            raise SystemExit(f"no model at {path}: pass --target-model/--draft-model (local HF checkpoints)")
+    resolve_model_pair(args)
     request = coordinator_pb2.GenerateRequest(prompt=args.prompt, n=args.n, max_new_tokens=args.max_new_tokens,
                                               temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                               ignore_eos=True)

@@ -1,4 +1,4 @@
-"""The embedded default draft/target pair (models/default) loads and runs with plain transformers."""
+"""The embedded tiny draft/target pair (models/tiny, the fast suite's) loads and runs with plain transformers."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from engine.checkpoint import load_checkpoint
 from engine.sampling import SamplingParams
 from engine.target import TargetRuntime
 
-ROOT = Path(__file__).resolve().parents[1] / "models" / "default"
+ROOT = Path(__file__).resolve().parents[1] / "models" / "tiny"
 TARGET, DRAFT = ROOT / "target", ROOT / "draft"
 
 # Code in the style of the held-out corpus (Python stdlib source), with tabs, blank lines and non-ASCII.

@@ -1,0 +1,267 @@
+"""Distil the default draft (models/smollm2-draft) from the default target, SmolLM2-135M-Instruct.
+
+Recipe (documented with its results in models/README.md):
+
+1. Data, from the *training* split of the stdlib corpus (the split of ``train_default_models.py``; the held-out
+   files are never seen): natural 256-token windows of the training stream, and the target's own
+   continuations (128 new tokens, half greedy, half sampled at T=0.8 / top-p 0.95) of 128-token prompts that
+   end at a line break. The continuations are generated once (bf16 copy of the target) and cached.
+2. Student: a Llama with the target's tokenizer (vocab 49152), hidden 128, tied embeddings initialised from
+   the top principal components of the target's embedding matrix.
+3. Training: online distillation, ``KL(target || draft)`` over the full vocabulary at temperature 1 on
+   every position (the target runs in bf16 beside the student) plus ``--ce-weight`` x cross-entropy on the
+   actual next token; AdamW, cosine schedule over a wall-clock budget.
+4. Saved in bf16 (the runtime loads it in fp32), with the target's tokenizer, so it loads on its own.
+5. Evaluated on held-out prompts against the fp32 target: greedy acceptance at k=4 (the simulation of
+   ``train_default_models.acceptance``) and the expected sampled acceptance sum_x min(p(x), q(x)) at T=0.8.
+
+    .venv/bin/python tools/distill_draft.py --out models/smollm2-draft --gen-minutes 10 --train-minutes 20
+    .venv/bin/python tools/distill_draft.py --out models/smollm2-draft --eval-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import train_default_models as corpus_rules  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from engine.default_models import default_target  # noqa: E402
+
+PROMPT_TOKENS = 128
+NEW_TOKENS = 128
+WINDOW = PROMPT_TOKENS + NEW_TOKENS
+
+
+def log(message: str) -> None:
+    """Print a timestamped progress line."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def training_stream(tokenizer, train: list[tuple[str, str]], eos: int) -> torch.Tensor:
+    """The training files tokenized and joined by EOS, as one int32 tensor."""
+    ids: list[int] = []
+    for _, text in train:
+        ids.extend(encode(tokenizer, text))
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def line_prompts(stream: torch.Tensor, newline_ids: set[int], count: int, rng: random.Random) -> list[list[int]]:
+    """``count`` prompts of exactly PROMPT_TOKENS tokens of the stream, each ending with a newline token."""
+    ends = [i for i in range(PROMPT_TOKENS, len(stream)) if int(stream[i - 1]) in newline_ids]
+    picks = rng.sample(ends, min(count, len(ends)))
+    return [stream[e - PROMPT_TOKENS:e].tolist() for e in picks]
+
+
+@torch.inference_mode()
+def generate_continuations(teacher, prompts: list[list[int]], batch: int, seed: int, deadline: float
+                           ) -> list[list[int]]:
+    """prompt + NEW_TOKENS target tokens for as many prompts as fit before ``deadline`` (alternating
+    greedy and sampled batches)."""
+    out: list[list[int]] = []
+    for index, start in enumerate(range(0, len(prompts), batch)):
+        if time.time() > deadline:
+            break
+        x = torch.tensor(prompts[start:start + batch])
+        sample = index % 2 == 1
+        torch.manual_seed(seed + index)
+        generated = teacher.generate(
+            input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+            do_sample=sample, temperature=0.8 if sample else None, top_p=0.95 if sample else None, top_k=None,
+            pad_token_id=teacher.config.pad_token_id)
+        out.extend(generated.tolist())
+        log(f"  generated {len(out)} sequences ({'sampled' if sample else 'greedy'} batch {index})")
+    return out
+
+
+def student_config(target_config, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int) -> LlamaConfig:
+    """The draft's config: target's vocabulary, special ids, context and RoPE base; a small body."""
+    return LlamaConfig(
+        vocab_size=target_config.vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=mlp,
+        max_position_embeddings=target_config.max_position_embeddings,
+        rope_parameters=dict(target_config.rope_parameters), rms_norm_eps=target_config.rms_norm_eps,
+        tie_word_embeddings=True, bos_token_id=target_config.bos_token_id, eos_token_id=target_config.eos_token_id,
+        pad_token_id=target_config.pad_token_id, architectures=["LlamaForCausalLM"])
+
+
+def make_student(target, config: LlamaConfig, seed: int) -> LlamaForCausalLM:
+    """A fresh student whose embedding is the target's projected on its top principal directions."""
+    torch.manual_seed(seed)
+    student = LlamaForCausalLM(config)
+    emb = target.get_input_embeddings().weight.detach().float()
+    _, _, v = torch.linalg.svd(emb - emb.mean(0), full_matrices=False)
+    projected = emb @ v[: config.hidden_size].T
+    projected *= student.get_input_embeddings().weight.std() / projected.std()
+    student.get_input_embeddings().weight.data.copy_(projected)
+    return student
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak at ``total``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(student, teacher, generated: torch.Tensor, stream: torch.Tensor, args: argparse.Namespace) -> dict:
+    """Online distillation for ``args.train_minutes`` of wall time; returns the training record."""
+    rng = torch.Generator().manual_seed(args.seed)
+    opt = torch.optim.AdamW(student.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    student.train()
+    started, step, total, ema = time.time(), 0, 10**9, None
+    budget = args.train_minutes * 60
+    half = args.batch // 2
+    while step < total:
+        rows = generated[torch.randint(len(generated), (half,), generator=rng)]
+        starts = torch.randint(len(stream) - WINDOW - 1, (args.batch - half,), generator=rng)
+        windows = torch.stack([stream[s:s + WINDOW + 1].long() for s in starts.tolist()])
+        x = torch.cat([rows[:, :WINDOW], windows[:, :WINDOW]])
+        nxt = torch.cat([torch.cat([rows[:, 1:WINDOW], rows[:, WINDOW - 1:WINDOW]], 1), windows[:, 1:]])
+        with torch.inference_mode():
+            teacher_logp = F.log_softmax(teacher(input_ids=x).logits.float(), -1)
+        teacher_logp = teacher_logp.clone()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total, args.lr, args.warmup)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = student(input_ids=x).logits
+        logp = F.log_softmax(logits.float(), -1)
+        kl = (teacher_logp.exp() * (teacher_logp - logp)).sum(-1)[:, :-1].mean()
+        ce = F.nll_loss(logp[:, :-1].reshape(-1, logp.size(-1)), nxt[:, :-1].reshape(-1))
+        loss = kl + args.ce_weight * ce
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        step += 1
+        ema = kl.item() if ema is None else 0.95 * ema + 0.05 * kl.item()
+        if step == 5:
+            per_step = (time.time() - started) / 5
+            total = max(args.warmup + 10, int(budget / per_step))
+            log(f"  {per_step:.2f} s/step -> {total} steps in {args.train_minutes} min")
+        if step % 25 == 0:
+            log(f"  step {step}/{total} kl(ema) {ema:.4f} ce {ce.item():.4f} lr {opt.param_groups[0]['lr']:.2e}")
+    student.eval()
+    return {"steps": step, "tokens_seen": step * args.batch * WINDOW, "batch": args.batch, "window": WINDOW,
+            "peak_lr": args.lr, "ce_weight": args.ce_weight, "final_kl_ema": round(ema, 4),
+            "wall_minutes": round((time.time() - started) / 60, 2)}
+
+
+@torch.inference_mode()
+def sampled_overlap(target, draft, prompts: list[dict], temperature: float, new_tokens: int, seed: int) -> dict:
+    """Mean over sampled target continuations of sum_x min(p(x), q(x)) at ``temperature``: the probability
+    that lossless speculative sampling accepts a draft token at each position."""
+    torch.manual_seed(seed)
+    total, count = 0.0, 0
+    for p in prompts:
+        x = torch.tensor([p["ids"]])
+        out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, do_sample=True, temperature=temperature, top_p=None,
+                              top_k=None, pad_token_id=target.config.pad_token_id)
+        start = len(p["ids"]) - 1
+        pt = F.softmax(target(input_ids=out).logits[0, start:-1].float() / temperature, -1)
+        qd = F.softmax(draft(input_ids=out).logits[0, start:-1].float() / temperature, -1)
+        total += torch.minimum(pt, qd).sum(-1).sum().item()
+        count += pt.shape[0]
+    return {"temperature": temperature, "positions": count, "expected_acceptance": round(total / count, 4)}
+
+
+def evaluate(target, draft, tokenizer, held: list[tuple[str, str]], args: argparse.Namespace) -> dict:
+    """Held-out greedy acceptance at k and sampled acceptance at T=0.8, against the fp32 target."""
+    prompts = corpus_rules.make_prompts(tokenizer, held, args.eval_prompts)
+    log(f"evaluating on {len(prompts)} held-out prompts")
+    greedy = corpus_rules.acceptance(target, draft, prompts, k=args.k, n_new=64)
+    log(f"  greedy acceptance at k={args.k}: {greedy['acceptance_rate']}")
+    sampled = sampled_overlap(target, draft, prompts[: args.eval_sampled], 0.8, 64, args.seed)
+    log(f"  expected sampled acceptance at T=0.8: {sampled['expected_acceptance']}")
+    return {"greedy": greedy, "sampled": sampled}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Generate data, distil, save and evaluate the draft (or only evaluate with --eval-only)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="models/smollm2-draft")
+    ap.add_argument("--data-cache", default="/tmp/specserve-distill-data.pt")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gen-minutes", type=float, default=10.0)
+    ap.add_argument("--gen-batch", type=int, default=48)
+    ap.add_argument("--train-minutes", type=float, default=20.0)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--ce-weight", type=float, default=0.2)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--mlp", type=int, default=512)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--eval-prompts", type=int, default=30)
+    ap.add_argument("--eval-sampled", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eval-only", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    target_dir = default_target()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    train_files, held = corpus_rules.collect_corpus(Path(sysconfig.get_paths()["stdlib"]))
+    metrics_path = out / "metrics.json"
+    if not args.eval_only:
+        teacher = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+        stream = training_stream(tokenizer, train_files, int(target.config.eos_token_id))
+        log(f"training stream: {len(train_files)} files, {len(stream)} tokens; held-out files: {len(held)}")
+        cache = Path(args.data_cache)
+        if cache.is_file():
+            generated = torch.load(cache)
+        else:
+            newline_ids = {i for t, i in tokenizer.get_vocab().items() if t.endswith("Ċ")}
+            prompts = line_prompts(stream, newline_ids, 4000, random.Random(args.seed))
+            deadline = time.time() + args.gen_minutes * 60
+            generated = torch.tensor(generate_continuations(teacher, prompts, args.gen_batch, args.seed, deadline))
+            torch.save(generated, cache)
+        log(f"target continuations: {len(generated)} sequences of {generated.shape[1]} tokens")
+        student = make_student(target, student_config(target.config, args.hidden, args.layers, args.heads,
+                                                      args.kv_heads, args.mlp), args.seed)
+        record = train(student, teacher, generated, stream, args)
+        del teacher
+        student.to(torch.bfloat16).save_pretrained(out)
+        student.generation_config.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        metrics = {"training": {**record, "generated_sequences": len(generated), "new_tokens": NEW_TOKENS,
+                                "prompt_tokens": PROMPT_TOKENS, "train_files": len(train_files),
+                                "train_stream_tokens": len(stream)}}
+    else:
+        metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
+    draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    metrics["params"] = sum(p.numel() for p in draft.parameters())
+    metrics["eval"] = evaluate(target, draft, tokenizer, held, args)
+    metrics["heldout_files"] = [rel for rel, _ in held]
+    metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
+    log(f"wrote {out} ({sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
