@@ -8,7 +8,8 @@ in one run, for every n (samples per prompt) and temperature, it times:
 * ``c_hf_assisted``: HF assisted generation (``assistant_model=`` the draft), the n samples one after another;
 * ``d_bass_fixed`` / ``d_bass_adaptive``: specserve BASS in-process (DraftRuntime + TargetRuntime), draft
   length fixed at ``--draft-len`` or adapted by ``coordinator.draft_length`` up to ``--max-draft-len``;
-* ``e_grpc_adaptive``: specserve over its three gRPC services (one Generate request with n samples).
+* ``e_grpc_adaptive``: specserve over its three gRPC services (one Generate request with n samples);
+* ``e_grpc_target``: specserve over gRPC without a draft (coordinator + target: the served baseline).
 
 Every system generates exactly ``--max-new-tokens`` tokens per sample (EOS ignored). The systems are
 interleaved (``time_interleaved_samples``) and each figure is the median of ``--repeats``; one call runs
@@ -51,7 +52,9 @@ SYSTEMS: dict[str, str] = {
     "d_bass_fixed": "(d) BASS in-process, fixed k",
     "d_bass_adaptive": "(d) BASS in-process, adaptive k",
     "e_grpc_adaptive": "(e) BASS over gRPC, adaptive k",
+    "e_grpc_target": "(e) target only over gRPC",
 }
+GRPC_SYSTEMS = {"e_grpc_adaptive": True, "e_grpc_target": False}  # system -> deployment has a draft
 BASS = "d_bass_adaptive"  # the configuration the bars are judged on (the coordinator's default)
 
 Output = list[list[list[int]]]  # [prompt][sample] -> token ids
@@ -117,28 +120,32 @@ class Harness:
         self.target_runtime = TargetRuntime(self.target)
         self.draft_runtime = DraftRuntime(self.draft)
         self.prompts = code_prompts(self.target.tokenizer, args.prompts)
-        self.deployment = None
-        self.stub = None
+        self.deployments: dict[str, Any] = {}
+        self.stubs: dict[str, Any] = {}
 
-    def start_grpc(self) -> None:
-        """Start draft, target and coordinator processes (adaptive k, the bench's k settings)."""
-        from specserve.processes import Deployment
-
-        env = {"OMP_NUM_THREADS": str(self.args.threads)} if self.args.threads else None
-        log_dir = Path(tempfile.mkdtemp(prefix="specserve-bench-e2e-"))
-        self.deployment = Deployment(self.args.target_model, self.args.draft_model, log_dir=log_dir, env=env,
-                                     coordinator_args=["--draft-len", str(self.args.draft_len),
-                                                       "--max-draft-len", str(self.args.max_draft_len)]).start()
+    def start_grpc(self, systems: list[str]) -> None:
+        """Start a deployment for each gRPC system in ``systems``: draft (adaptive k, the bench's k settings),
+        target and coordinator, or target and coordinator alone."""
         import grpc
 
+        from specserve.processes import Deployment
         from specserve.v1 import coordinator_pb2_grpc
 
-        self.stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(self.deployment.coordinator_address))
+        env = {"OMP_NUM_THREADS": str(self.args.threads)} if self.args.threads else None
+        for system in (s for s in systems if s in GRPC_SYSTEMS):
+            log_dir = Path(tempfile.mkdtemp(prefix=f"specserve-bench-{system}-"))
+            draft = self.args.draft_model if GRPC_SYSTEMS[system] else None
+            deployment = Deployment(self.args.target_model, draft, log_dir=log_dir, env=env,
+                                    coordinator_args=["--draft-len", str(self.args.draft_len),
+                                                      "--max-draft-len", str(self.args.max_draft_len)])
+            self.deployments[system] = deployment.start()
+            self.stubs[system] = coordinator_pb2_grpc.CoordinatorStub(
+                grpc.insecure_channel(deployment.coordinator_address))
 
     def stop(self) -> None:
-        """Stop the gRPC deployment, if one runs."""
-        if self.deployment is not None:
-            self.deployment.stop()
+        """Stop the gRPC deployments that run."""
+        for deployment in self.deployments.values():
+            deployment.stop()
 
     def call(self, system: str, n: int, temperature: float, max_new: int, prompts: list[list[int]]
              ) -> tuple[Output, RunStats]:
@@ -157,8 +164,8 @@ class Harness:
             elif system in ("d_bass_fixed", "d_bass_adaptive"):
                 length = DraftLength(a.draft_len, max(a.draft_len, a.max_draft_len), system == "d_bass_adaptive")
                 out, stats = engine_bass(self.target_runtime, self.draft_runtime, prompt, n, params, max_new, length)
-            elif system == "e_grpc_adaptive":
-                out, stats = self._grpc(prompt, n, temperature, max_new)
+            elif system in GRPC_SYSTEMS:
+                out, stats = self._grpc(system, prompt, n, temperature, max_new)
             else:
                 raise ValueError(f"unknown system {system!r}")
             if len(out) != n or any(len(s) != max_new for s in out):
@@ -167,14 +174,15 @@ class Harness:
             total.add(stats)
         return outputs, total
 
-    def _grpc(self, prompt: list[int], n: int, temperature: float, max_new: int) -> tuple[list[list[int]], RunStats]:
+    def _grpc(self, system: str, prompt: list[int], n: int, temperature: float, max_new: int
+              ) -> tuple[list[list[int]], RunStats]:
         from specserve.v1 import coordinator_pb2
 
         start = time.perf_counter()
         request = coordinator_pb2.GenerateRequest(prompt_token_ids=prompt, n=n, max_new_tokens=max_new,
                                                   temperature=temperature, top_p=1.0, seed=self.args.seed,
                                                   ignore_eos=True)
-        response = self.stub.Generate(request, timeout=3600)
+        response = self.stubs[system].Generate(request, timeout=3600)
         completions = sorted(response.completions, key=lambda c: c.index)
         usage = response.usage
         stats = RunStats(rounds=usage.rounds, proposed=usage.draft_tokens_proposed,
@@ -279,8 +287,7 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
 
         progress = tqdm(total=total_calls, desc="bench e2e", unit="call", file=sys.stderr)
     try:
-        if "e_grpc_adaptive" in systems:
-            harness.start_grpc()
+        harness.start_grpc(systems)
         for system in systems:  # warm-up: first calls load kernels, allocate, connect
             for temperature in args.temperatures:
                 harness.call(system, min(args.n), temperature, min(m, 8), prompts[:1])
@@ -343,6 +350,10 @@ def _point(temperature: float, n: int, m: int, num_prompts: int, samples: dict[s
         entry["identical_to_a"] = entry["outputs"] == systems["a_batched"]["outputs"]
     if "e_grpc_adaptive" in systems and BASS in systems:
         point["grpc_overhead"] = systems["e_grpc_adaptive"]["wall_s"] / systems[BASS]["wall_s"] - 1
+    if set(GRPC_SYSTEMS) <= set(systems):
+        served = systems["e_grpc_adaptive"]
+        served["speedup_vs_grpc_target"] = _ratio(systems["e_grpc_target"]["wall_s"], served["wall_s"])
+        served["identical_to_grpc_target"] = served["outputs"] == systems["e_grpc_target"]["outputs"]
     return point
 
 
@@ -390,6 +401,14 @@ def _bars(result: dict[str, Any]) -> dict[str, Any]:
     if greedy8:
         speedup = greedy8[0]["systems"][BASS]["speedup_vs_a"]
         bars["bass_2x_vs_a_at_n8_greedy"] = {"value": speedup, "met": speedup >= 2.0}
+    for p in points:
+        served = p["systems"].get("e_grpc_adaptive", {})
+        if p["n"] == 8 and "speedup_vs_grpc_target" in served:
+            greedy = p["temperature"] == 0
+            goal = 2.15 if greedy else 1.5
+            bar = {"value": served["speedup_vs_grpc_target"], "goal": goal}
+            bar["met"] = bar["value"] >= goal and (served["identical_to_grpc_target"] or not greedy)
+            bars[f"grpc_bass_vs_grpc_target_at_n8_T{p['temperature']:g}"] = bar
     faster = []
     for p in points:
         if p["n"] < 2 or BASS not in p["systems"]:
@@ -435,8 +454,8 @@ def markdown(result: dict[str, Any]) -> str:
                                                      for s in systems) + " |")
         lines += ["", f"**Ratios, {title}** (speed-up = other wall / BASS wall; tokens/s of all n samples)", "",
                   "| n | BASS tok/s | BASS vs (a) | BASS vs (b) | BASS vs (c) | fixed-k vs (a) | gRPC overhead (e)/(d) "
-                  "| acceptance | mean k | greedy (d),(e) = (a) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| gRPC BASS vs gRPC target | acceptance | mean k | greedy (d),(e) = (a) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for p in points:
             s = p["systems"]
             d = s.get(BASS, {})
@@ -449,6 +468,7 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {p['n']} | {_fmt(d.get('tokens_per_s'), '.0f')} | {_fmt(vs[0], '.2f', '×')} | "
                          f"{_fmt(vs[1], '.2f', '×')} | {_fmt(vs[2], '.2f', '×')} | {_fmt(fixed, '.2f', '×')} | "
                          f"{_fmt(p.get('grpc_overhead', None) and 100 * p['grpc_overhead'], '+.1f', '%')} | "
+                         f"{_fmt(s.get('e_grpc_adaptive', {}).get('speedup_vs_grpc_target'), '.2f', '×')} | "
                          f"{_fmt(d.get('acceptance'), '.2f')} | {_fmt(d.get('mean_draft_len'), '.1f')} | {same} |")
         lines.append("")
     budget = result.get("budget") or []
