@@ -5,6 +5,12 @@ and propose, and the window bucketing the CUDA graphs use."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,7 +144,7 @@ def test_triton_backend_verifies_like_torch_and_hf(checkpoints) -> None:
 
 @pytest.mark.usefixtures("triton_available")
 def test_triton_backend_proposes_like_torch(checkpoints) -> None:
-    model = load_checkpoint(checkpoints["llama_draft"])
+    model = load_checkpoint(checkpoints["llama_draft"], device="cuda" if torch.cuda.is_available() else "cpu")
     proposals = []
     for backend in ("triton", "torch"):
         runtime = DraftRuntime(model, attention_backend=backend)
@@ -148,3 +154,38 @@ def test_triton_backend_proposes_like_torch(checkpoints) -> None:
         updates = {s.sequence_id: (0, 50 + s.sequence_id, ()) for s in runtime.batches["a"].sequences}
         proposals.append([p.token_ids for p in runtime.propose("a", updates, 3)])
     assert proposals[0] == proposals[1] and all(len(p) == 3 for p in proposals[0])
+
+
+def load_tool(name: str):
+    """A module of tools/ (not a package) loaded by path."""
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_device_check_summary_reads_the_benchmarks(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The summary of tools/device_check.sh, fed by real (tiny, CPU) runs of the benchmarks it calls."""
+    tiny = {"attention_decode": ["attention", "--samples", "2", "--context", "16", "--heads", "2", "--head-dim", "8"],
+            "decode": ["decode", "--samples", "2", "--context", "16", "--hidden", "32", "--layers", "1",
+                       "--heads", "2", "--vocab", "50"]}
+    for name, argv in tiny.items():
+        assert main(["bench", *argv, "--device", "cpu", "--backend", "torch", "--repeats", "1", "--json"]) == 0
+        (tmp_path / f"{name}.log").write_text("a warning line\n" + capsys.readouterr().out)
+    (tmp_path / "steps.tsv").write_text("tests\t0\t5\nattention_decode\t0\t1\ndecode\t0\t1\ne2e\t124\t100\n")
+    summary = load_tool("device_summary").summarise(tmp_path, 107)
+    assert summary["steps"]["e2e"] == {"rc": 124, "seconds": 100}
+    attention, decode = summary["measured"]["attention_decode"], summary["measured"]["decode_step"]
+    assert attention["goal"] == 10.0 and attention["baseline"] == "sdpa-masked"
+    assert decode["goal_met"] == (decode["ratio_standard_over_bifurcated"] >= 4.0)
+    assert json.loads((tmp_path / "decode.json").read_text())["benchmark"] == "decode"
+
+
+@no_cuda
+def test_device_check_stops_at_once_without_cuda(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(["bash", str(root / "tools" / "device_check.sh")], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path)), timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "sees no CUDA device" in (tmp_path / "environment.log").read_text()
