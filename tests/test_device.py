@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import coordinator_stub
 from engine_cases import PROMPTS, greedy_decode, groups
 from hf_oracle import greedy
 
@@ -26,6 +27,7 @@ from engine.target import TargetRuntime
 from kernels import backend_for_device
 from specserve.cli import build_parser, main
 from specserve.model_service import runtime_options
+from specserve.v1 import coordinator_pb2
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 def serve_args(*flags: str) -> argparse.Namespace:
@@ -189,3 +191,13 @@ def test_device_check_stops_at_once_without_cuda(tmp_path: Path) -> None:
                           env=dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path)), timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "sees no CUDA device" in (tmp_path / "environment.log").read_text()
+
+
+def test_serve_with_explicit_cpu_device_and_bfloat16(deployments, checkpoints) -> None:
+    """``serve draft|target --device cpu --dtype bfloat16`` through the coordinator."""
+    deployment = deployments("llama", "llama_draft", model_args=("--device", "cpu", "--dtype", "bfloat16"))
+    response = coordinator_stub(deployment.coordinator_address).Generate(coordinator_pb2.GenerateRequest(
+        prompt_token_ids=PROMPTS[0], n=3, max_new_tokens=12, ignore_eos=True), timeout=120)
+    completions = [list(c.token_ids) for c in response.completions]
+    assert len(completions) == 3 and all(len(c) == 12 and c == completions[0] for c in completions)
+    assert completions[0][:4] == greedy(checkpoints["llama"], PROMPTS[0], 4, None)
