@@ -23,7 +23,7 @@ def triton_interpreted() -> bool:
 
 def default_backend() -> str:
     """The default bifurcated-attention backend: "triton" when CUDA is available, else "torch"."""
-    return "triton" if torch.cuda.is_available() else "torch"
+    return backend_for_device(None, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def get_bifurcated_attention(backend: str | None = None) -> Callable[..., torch.Tensor]:
