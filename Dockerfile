@@ -4,7 +4,12 @@
 #   docker build -t specserve:cpu .                                   # CPU (default)
 #   docker build --build-arg TORCH_VARIANT=cu128 -t specserve:cu128 .  # CUDA 12.8 wheels
 #
-# Models are not baked in: mount a checkpoint directory at /models.
+# Models are not baked in: mount a checkpoint directory at /models. On a GPU the model services take the
+# device flags (docs/gpu.md), e.g.
+#
+#   docker run --gpus all -v "$PWD/models:/models:ro" specserve:cu128 serve target --host 0.0.0.0 --device cuda --dtype bfloat16 --model /models/default/target
+#
+# (with --device cuda the attention backend defaults to Triton and the window steps run as CUDA graphs).
 #
 # BASE_IMAGE is used by both stages (the builder's venv is copied as is, so the runtime must have the same
 # Python at the same path). The cu128 torch wheels bring their own CUDA runtime libraries, so the slim

@@ -82,8 +82,9 @@ class Checkpoint:
         return digest.hexdigest()[:16]
 
 
-def load_checkpoint(path: str | Path, dtype: str = "float32") -> Checkpoint:
-    """Load a local HF checkpoint (safetensors only, no remote code) in eval mode.
+def load_checkpoint(path: str | Path, dtype: str = "float32", device: torch.device | str = "cpu") -> Checkpoint:
+    """Load a local HF checkpoint (safetensors only, no remote code) in eval mode, its weights in ``dtype``
+    on ``device``.
 
     Raises CheckpointError with an actionable message for a missing directory, an unsupported
     architecture or an unknown dtype.
@@ -103,7 +104,7 @@ def load_checkpoint(path: str | Path, dtype: str = "float32") -> Checkpoint:
     model = AutoModelForCausalLM.from_pretrained(
         directory, dtype=DTYPES[dtype], use_safetensors=True, local_files_only=True
     )
-    model.eval()
+    model.to(device).eval()
     tokenizer = None
     if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)

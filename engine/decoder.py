@@ -29,6 +29,7 @@ class Decoder:
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.q_heads)
         self.scale = float(self.body.layers[0].self_attn.scaling)
         self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
 
     def _qkv(self, layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,8 +53,8 @@ class Decoder:
     def prefill(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """Run a prompt (batch 1, causal) and return (logits of its last position [V], per-layer
         keys and values [Hkv, P, D]) — the prompt KV that a group stores once."""
-        tokens = torch.tensor([list(token_ids)], dtype=torch.long)
-        positions = torch.arange(tokens.shape[1])[None, :]
+        tokens = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        positions = torch.arange(tokens.shape[1], device=self.device)[None, :]
         h = self.body.embed_tokens(tokens)
         cos, sin = self.body.rotary_emb(h, positions)
         keys, values = [], []
@@ -74,11 +75,21 @@ class Decoder:
         """One batched forward over ragged windows and append their KV.
 
         tokens [B, W]: row b's window is tokens[b, :widths[b]] (the rest is padding), placed after the
-        row's prompt and its ``base[b]`` decode tokens already cached. Returns float32 logits
-        [B, W, V], or [B, V] at each row's last window position when ``last_only``.
+        row's prompt and its ``base[b]`` decode tokens already cached. Inputs may be on any device (host
+        tensors avoid a synchronisation). Returns float32 logits on the model's device, [B, W, V], or
+        [B, V] at each row's last window position when ``last_only``.
         """
+        kv.reserve(base.tolist(), tokens.shape[1])
+        return self.forward_window(tokens.to(self.device), widths.to(self.device), base.to(self.device), kv,
+                                   last_only)
+
+    @torch.inference_mode()
+    def forward_window(self, tokens: torch.Tensor, widths: torch.Tensor, base: torch.Tensor,
+                       kv: KVLayout, last_only: bool) -> torch.Tensor:
+        """``step`` after ``kv.reserve``: inputs already on the model's device; only device work is launched
+        (no host synchronisation), so with a capturable attention it can be recorded in a CUDA graph."""
         batch, width = tokens.shape
-        positions = kv.row_prefix_lens()[:, None] + base[:, None] + torch.arange(width)[None, :]
+        positions = kv.row_prefix_lens()[:, None] + base[:, None] + torch.arange(width, device=self.device)[None, :]
         lens = base + widths
         h = self.body.embed_tokens(tokens)
         cos, sin = self.body.rotary_emb(h, positions)
@@ -88,5 +99,5 @@ class Decoder:
             o = kv.attend(index, q, base, lens, self.scale)
             h = self._finish_layer(layer, h, o)
         if last_only:
-            h = h[torch.arange(batch), (widths - 1).clamp(min=0)]
+            h = h[torch.arange(batch, device=self.device), (widths - 1).clamp(min=0)]
         return self.model.lm_head(self.body.norm(h)).float()

@@ -79,7 +79,7 @@ class DraftRuntime(ModelRuntime):
             params = [s.params for s in states]
             generators = [s.generator for s in states]
             for step in range(draft_len):
-                logits = self.decoder.step(tokens, widths, batch.decoded(), batch.kv, last_only=True)
+                logits = self.forward(tokens, widths, batch.decoded(), batch.kv, last_only=True)
                 for state, width in zip(states, widths.tolist(), strict=True):
                     state.decoded += width
                     state.pending = []

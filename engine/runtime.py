@@ -16,9 +16,10 @@ from engine.batch import Batch, GroupInput, SequenceState
 from engine.checkpoint import Checkpoint
 from engine.decoder import Decoder
 from engine.errors import InvalidInput, KVBudgetExceeded, UnknownBatch
+from engine.graphs import StepGraphs, graphs_supported
 from engine.kv_cache import ATTENTION_LAYOUTS, BifurcatedKV, ExpandedKV, KVLayout
 from engine.sampling import sequence_generator
-from kernels import get_bifurcated_attention
+from kernels import backend_for_device, get_bifurcated_attention
 
 # Decode slots reserved per sequence beyond max_new_tokens: the draft window that may overshoot.
 SPECULATION_MARGIN = 16
@@ -29,14 +30,25 @@ class ModelRuntime:
 
     role = "model"
 
-    def __init__(self, checkpoint: Checkpoint, attention: str = "bifurcated", attention_backend: str = "torch",
-                 kv_budget_bytes: int | None = None, session_ttl_s: float = 300.0) -> None:
+    def __init__(self, checkpoint: Checkpoint, attention: str = "bifurcated", attention_backend: str | None = None,
+                 kv_budget_bytes: int | None = None, session_ttl_s: float = 300.0,
+                 cuda_graphs: bool | None = None) -> None:
+        """Serve ``checkpoint`` on the device its weights are on. ``attention_backend`` None picks Triton on
+        CUDA and torch on CPU; ``cuda_graphs`` None records steps in CUDA graphs exactly when the model is on
+        CUDA and the attention is capturable (Triton bifurcated or the standard layout). Raises ValueError
+        for an unknown layout or backend, Triton on CPU, or graphs asked for where they cannot run."""
         if attention not in ATTENTION_LAYOUTS:
             raise ValueError(f"attention must be one of {ATTENTION_LAYOUTS}, got {attention!r}")
         self.checkpoint = checkpoint
         self.decoder = Decoder(checkpoint.model)
         self.attention = attention
-        self._bifurcated = get_bifurcated_attention(attention_backend)
+        self.attention_backend = backend_for_device(attention_backend, self.decoder.device)
+        self._bifurcated = get_bifurcated_attention(self.attention_backend)
+        capturable = graphs_supported(self.decoder.device, attention, self.attention_backend)
+        if cuda_graphs and not capturable:
+            raise ValueError("CUDA graphs need --device cuda and a capturable attention (the triton backend or "
+                             f"--attention standard); got {self.decoder.device}, {attention}/{self.attention_backend}")
+        self._graphs = StepGraphs(self.decoder) if capturable and cuda_graphs is not False else None
         self.kv_budget_bytes = kv_budget_bytes
         self.session_ttl_s = session_ttl_s
         self.lock = threading.RLock()
@@ -72,12 +84,24 @@ class ModelRuntime:
                 "kv_budget_bytes": self.kv_budget_bytes or 0,
             }
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """True when window steps are recorded and replayed as CUDA graphs."""
+        return self._graphs is not None
+
+    def forward(self, tokens: torch.Tensor, widths: torch.Tensor, base: torch.Tensor, kv: KVLayout,
+                last_only: bool) -> torch.Tensor:
+        """One batched window step (``Decoder.step``), through CUDA graphs when they are on."""
+        if self._graphs is not None:
+            return self._graphs.step(tokens, widths, base, kv, last_only)
+        return self.decoder.step(tokens, widths, base, kv, last_only)
+
     # -- batches -----------------------------------------------------------------------------------
     def _new_layout(self) -> KVLayout:
         d = self.decoder
         if self.attention == "bifurcated":
-            return BifurcatedKV(d.num_layers, d.kv_heads, d.head_dim, d.dtype, self._bifurcated)
-        return ExpandedKV(d.num_layers, d.kv_heads, d.head_dim, d.dtype)
+            return BifurcatedKV(d.num_layers, d.kv_heads, d.head_dim, d.dtype, self._bifurcated, d.device)
+        return ExpandedKV(d.num_layers, d.kv_heads, d.head_dim, d.dtype, d.device)
 
     def get_batch(self, batch_id: str) -> Batch:
         """The live batch with this id (caller holds the lock); raises UnknownBatch."""

@@ -24,7 +24,8 @@ no distributions at all: a draft token is accepted iff it equals the target's ar
 Randomness: every sequence owns one CPU ``torch.Generator`` per role (``sequence_generator``), and every
 call consumes a fixed number of uniforms per sampling row (``sample``: 1; ``verify_proposals``: K + 1),
 independently of what was accepted, so results are reproducible and a row's outcome does not depend on
-the other rows of the batch.
+the other rows of the batch. The uniforms are drawn on the CPU and moved to the probabilities' device, so
+a seed gives the same stream whether the model runs on the CPU or on a GPU.
 """
 
 from __future__ import annotations

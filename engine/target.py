@@ -69,7 +69,7 @@ class TargetRuntime(ModelRuntime):
                 self._check_proposal(state, tokens, dists)
             windows = [s.pending + tokens for s, (tokens, _) in zip(states, ordered, strict=True)]
             tokens, widths = pad_windows(windows)
-            logits = self.decoder.step(tokens, widths, batch.decoded(), batch.kv, last_only=False)
+            logits = self.forward(tokens, widths, batch.decoded(), batch.kv, last_only=False)
             rows, width = tokens.shape
             params = [s.params for s in states for _ in range(width)]
             target_probs = process_logits(logits.reshape(rows * width, -1), params).view(rows, width, -1)
@@ -77,10 +77,11 @@ class TargetRuntime(ModelRuntime):
             greedy = torch.tensor([s.params.greedy for s in states])
             draft_probs = None
             if not bool(greedy.all()) and width > 1:
-                draft_probs = torch.zeros(rows, width - 1, vocab)
+                dense = torch.zeros(rows, width - 1, vocab)
                 for row, (_, dists) in enumerate(ordered):
                     for position, dist in enumerate(dists):
-                        draft_probs[row, position] = dist.to_dense(vocab)
+                        dense[row, position] = dist.to_dense(vocab)
+                draft_probs = dense.to(logits.device)
             with _tracer.start_as_current_span("target.accept"):  # no-op unless the service traces
                 accepted, nxt = verify_proposals(target_probs, tokens[:, 1:], draft_lens, draft_probs, greedy,
                                                  [s.generator for s in states])

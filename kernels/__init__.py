@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 
 import torch
@@ -15,9 +16,14 @@ ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
 }
 
 
+def triton_interpreted() -> bool:
+    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in {"1", "true", "yes", "on"}
+
+
 def default_backend() -> str:
     """The default bifurcated-attention backend: "triton" when CUDA is available, else "torch"."""
-    return "triton" if torch.cuda.is_available() else "torch"
+    return backend_for_device(None, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def get_bifurcated_attention(backend: str | None = None) -> Callable[..., torch.Tensor]:
@@ -31,3 +37,19 @@ def get_bifurcated_attention(backend: str | None = None) -> Callable[..., torch.
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {sorted(ATTENTION_BACKENDS)}")
     module_name, attr = ATTENTION_BACKENDS[name]
     return getattr(importlib.import_module(module_name), attr)
+
+
+def backend_for_device(backend: str | None, device: torch.device) -> str:
+    """The bifurcated backend to run on ``device``: ``backend`` itself, or for None/"auto" "triton" on CUDA
+    and "torch" elsewhere.
+
+    Raises ``ValueError`` for an unknown name, and for "triton" on a CPU device unless ``TRITON_INTERPRET=1``
+    (Triton's CPU interpreter, for tests) is set.
+    """
+    name = ("triton" if device.type == "cuda" else "torch") if backend in (None, "", "auto") else backend
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {sorted(ATTENTION_BACKENDS)}")
+    if name == "triton" and device.type == "cpu" and not triton_interpreted():
+        raise ValueError("the triton attention backend runs on CUDA devices (on CPU only under TRITON_INTERPRET=1); "
+                         "use --attention-backend torch with --device cpu")
+    return name

@@ -18,23 +18,22 @@ imported (the kernels are decorated at import time).
 
 from __future__ import annotations
 
-import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_interpreted
 from kernels.bifurcated import decode_head_ratio, validate_layout
 
-__all__ = ["bifurcated_attention_triton", "triton_interpreted"]
+__all__ = ["bifurcated_attention_triton", "retain_launch_tensors", "triton_interpreted"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-
-
-def triton_interpreted() -> bool:
-    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in {"1", "true", "yes", "on"}
 
 
 @triton.jit
@@ -225,6 +224,57 @@ def _dot_fp32(q: torch.Tensor) -> bool:
     return q.dtype == torch.float32 or q.device.type == "cpu" or triton_interpreted()
 
 
+TileArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_TILE_CACHE: OrderedDict[tuple, tuple[int, TileArgs]] = OrderedDict()
+_TILE_CACHE_SIZE = 512
+_tile_lock = threading.Lock()
+_retainers: list[list[object]] = []
+
+
+def _context_tiles(prefix_offsets: Sequence[int], group_offsets: Sequence[int], rows_per_sample: int,
+                   block_m: int, device: torch.device) -> tuple[int, TileArgs]:
+    """(tile count, int32 (tile group, tile start, prefix offsets, group offsets) on ``device``) of the
+    context kernel, one tile per ``block_m`` folded rows of a group. Cached per layout (so a step replayed
+    from a CUDA graph reads the same tensors, and a warm step copies nothing to the device)."""
+    key = (tuple(prefix_offsets), tuple(group_offsets), rows_per_sample, block_m, device)
+    with _tile_lock:
+        entry = _TILE_CACHE.get(key)
+        if entry is None:
+            tile_group, tile_start = [], []
+            for g in range(len(group_offsets) - 1):
+                rows = (group_offsets[g + 1] - group_offsets[g]) * rows_per_sample
+                for start in range(0, rows, block_m):
+                    tile_group.append(g)
+                    tile_start.append(start)
+            ints = [tile_group, tile_start, list(prefix_offsets), list(group_offsets)]
+            tensors = tuple(torch.tensor(v, dtype=torch.int32, device=device) for v in ints)
+            entry = _TILE_CACHE[key] = (len(tile_group), tensors)
+            if len(_TILE_CACHE) > _TILE_CACHE_SIZE:
+                _TILE_CACHE.popitem(last=False)
+        else:
+            _TILE_CACHE.move_to_end(key)
+        for kept in _retainers:
+            kept.append(entry)
+    return entry
+
+
+@contextmanager
+def retain_launch_tensors() -> Iterator[list[object]]:
+    """Collect the cached launch tensors the kernels read inside the block into the yielded list.
+
+    A CUDA graph captured in the block replays those tensors' addresses: whoever keeps the graph keeps
+    the list with it, so the cache can evict them without the graph reading freed memory.
+    """
+    kept: list[object] = []
+    with _tile_lock:
+        _retainers.append(kept)
+    try:
+        yield kept
+    finally:
+        with _tile_lock:
+            _retainers.remove(kept)
+
+
 def _check_runnable(q: torch.Tensor) -> None:
     if q.device.type == "cpu" and not triton_interpreted():
         raise RuntimeError(
@@ -279,22 +329,11 @@ def context_attention_triton(
     block_m, block_n = _blocks(q.device)
     out = torch.empty(batch, hq, window, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, hq, window, dtype=torch.float32, device=q.device)
-    tile_group: list[int] = []
-    tile_start: list[int] = []
-    for g in range(len(group_offsets) - 1):
-        rows = (group_offsets[g + 1] - group_offsets[g]) * r * window
-        for start in range(0, rows, block_m):
-            tile_group.append(g)
-            tile_start.append(start)
-    if not tile_group:
+    tiles, tile_args = _context_tiles(prefix_offsets, group_offsets, r * window, block_m, q.device)
+    if not tiles:
         return out, lse
-    dev = q.device
-    tg = torch.tensor(tile_group, dtype=torch.int32, device=dev)
-    ts = torch.tensor(tile_start, dtype=torch.int32, device=dev)
-    po = torch.tensor(list(prefix_offsets), dtype=torch.int32, device=dev)
-    go = torch.tensor(list(group_offsets), dtype=torch.int32, device=dev)
-    _context_kernel[(len(tile_group), hkv)](
-        q, prefix_k, prefix_v, out, lse, tg, ts, po, go,
+    _context_kernel[(tiles, hkv)](
+        q, prefix_k, prefix_v, out, lse, *tile_args,
         *q.stride(), *prefix_k.stride(), *prefix_v.stride(),
         *_output_args(out, lse, scale), **_constexprs(q, r, block_m, block_n),
     )

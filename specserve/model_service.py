@@ -11,12 +11,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
+import torch
 
 from engine.batch import GroupInput
 from engine.checkpoint import load_checkpoint
+from engine.device import resolve_device
 from engine.errors import ModelLoading
+from engine.graphs import graphs_supported
 from engine.runtime import ModelRuntime
 from engine.sampling import SamplingParams
+from kernels import backend_for_device
 from specserve import telemetry
 from specserve.grpc_server import create_server, grpc_errors, set_serving
 from specserve.metrics import CallMetricsInterceptor, ModelMetrics, start_metrics_server
@@ -119,13 +123,37 @@ class ModelServicer:
         return model_pb2.ReleaseResponse(released_sequences=released)
 
 
+def runtime_options(args: Any) -> tuple[torch.device, dict[str, Any]]:
+    """The device and the ``ModelRuntime`` keyword arguments that ``serve draft|target`` flags ask for.
+
+    Raises ValueError with a message naming the flag when they cannot run here (``--device cuda`` without
+    CUDA, ``--attention-backend triton`` on CPU, ``--cuda-graphs on`` where steps cannot be captured).
+    """
+    device = resolve_device(args.device)
+    backend = backend_for_device(args.attention_backend, device)
+    graphs = {"auto": None, "on": True, "off": False}[args.cuda_graphs]
+    if graphs and not graphs_supported(device, args.attention, backend):
+        raise ValueError(f"--cuda-graphs on needs --device cuda and the triton backend or --attention standard "
+                         f"(got {device}, {args.attention}, {backend})")
+    return device, {
+        "attention": args.attention, "attention_backend": backend, "cuda_graphs": graphs,
+        "kv_budget_bytes": int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
+        "session_ttl_s": args.session_ttl,
+    }
+
+
 def serve_model(servicer: ModelServicer, add_to_server: Callable[[Any, grpc.Server], None], service_name: str,
                 runtime_factory: Callable[..., ModelRuntime], args: Any) -> int:
     """Bind the port, report NOT_SERVING while the model loads, then serve until terminated.
 
     Tracing follows the ``OTEL_*`` environment (see specserve.telemetry); Prometheus metrics are served
-    on ``--metrics-port`` when it is non-zero.
+    on ``--metrics-port`` when it is non-zero. Flags that cannot run on this machine end the process with
+    a one-line message before anything is bound.
     """
+    try:
+        device, options = runtime_options(args)
+    except ValueError as error:
+        raise SystemExit(f"specserve serve {getattr(runtime_factory, 'role', 'model')}: {error}") from None
     telemetry.setup_tracing(getattr(runtime_factory, "role", "model"))
     tls = TLSFiles(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_auth)
     server, health_servicer, port = create_server([service_name], args.host, args.port, tls,
@@ -135,15 +163,12 @@ def serve_model(servicer: ModelServicer, add_to_server: Callable[[Any, grpc.Serv
     add_to_server(servicer, server)
     server.start()
     log.info("%s listening on %s:%d, loading %s", service_name, args.host, port, args.model)
-    checkpoint = load_checkpoint(args.model, args.dtype)
-    runtime = runtime_factory(
-        checkpoint, attention=args.attention, attention_backend=args.attention_backend,
-        kv_budget_bytes=int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
-        session_ttl_s=args.session_ttl,
-    )
+    checkpoint = load_checkpoint(args.model, args.dtype, device)
+    runtime = runtime_factory(checkpoint, **options)
     servicer.set_runtime(runtime)
     set_serving(health_servicer, [service_name], True)
-    log.info("%s serving %s on %s:%d", service_name, checkpoint.name, args.host, port)
+    log.info("%s serving %s on %s:%d (%s, %s, %s attention, CUDA graphs %s)", service_name, checkpoint.name,
+             args.host, port, device, args.dtype, runtime.attention_backend, "on" if runtime.cuda_graphs else "off")
     stop = threading.Event()  # set by SIGTERM/SIGINT; the loop below also expires idle batches
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

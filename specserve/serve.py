@@ -28,11 +28,16 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="local Hugging Face checkpoint directory (default: the default pair's model of this "
                              "role: SmolLM2-135M-Instruct converted once into the cache, or models/smollm2-draft)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto",
+                        help="where the model and its KV caches live: auto (cuda when available), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="weights and KV cache dtype (logits and sampling stay float32)")
     parser.add_argument("--attention", default="bifurcated", choices=["bifurcated", "standard"],
                         help="KV layout: prompt KV shared by a group's samples, or copied per sample")
-    parser.add_argument("--attention-backend", default="torch", choices=["torch", "triton"],
-                        help="bifurcated attention implementation (triton needs a GPU)")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                        help="bifurcated attention implementation (auto: triton on CUDA, torch on CPU)")
+    parser.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                        help="record window steps as CUDA graphs (auto: on CUDA with a capturable attention)")
     parser.add_argument("--kv-budget-mb", type=float, default=0.0,
                         help="refuse new groups (RESOURCE_EXHAUSTED) beyond this much KV cache; 0 = unbounded")
     parser.add_argument("--session-ttl", type=float, default=300.0, help="seconds before an idle batch expires")

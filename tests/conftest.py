@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -9,6 +10,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter, which has to be chosen before anything
+# (transformers, below) first imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))
 

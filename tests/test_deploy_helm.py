@@ -198,7 +198,8 @@ def test_model_args_parse(default_objects: list[dict[str, Any]], component: str)
     assert args.host == "0.0.0.0"
     assert args.model == f"/models/{component}"
     assert args.metrics_port == 9464
-    assert (args.dtype, args.attention, args.attention_backend) == ("float32", "bifurcated", "torch")
+    assert (args.device, args.dtype, args.attention, args.attention_backend, args.cuda_graphs) == (
+        "cpu", "float32", "bifurcated", "torch", "auto")
     mount = next(m for m in main["volumeMounts"] if m["name"] == "models")
     assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
     volume = next(v for v in deployment(default_objects, component)["spec"]["template"]["spec"]["volumes"]
@@ -320,7 +321,7 @@ def test_gpu_values(gpu_objects: list[dict[str, Any]], component: str) -> None:
     assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     args = parse_cli(expanded_args(gpu_objects, main), f"the {component} Deployment (GPU values)")
-    assert (args.dtype, args.attention_backend) == ("bfloat16", "triton")
+    assert (args.device, args.dtype, args.attention_backend) == ("cuda", "bfloat16", "triton")
     assert args.model.startswith("/models/llama-")
     assert deployment(gpu_objects, component)["spec"]["replicas"] == 2
     assert "nvidia.com/gpu" not in container(gpu_objects, "coordinator")["resources"].get("limits", {})

@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from specserve.bench.timing import format_bytes, host_info, kernel_setup, time_interleaved
+from specserve.bench.timing import expanded_baseline, format_bytes, host_info, kernel_setup, time_interleaved
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,7 +43,7 @@ def run_attention_bench(args: argparse.Namespace) -> dict[str, object]:
     device, backend = kernel_setup(args.threads, args.device, args.backend)
     from kernels import get_bifurcated_attention
     from kernels.bifurcated import kv_cache_bytes
-    from kernels.standard import expand_bifurcated_kv, standard_attention
+    from kernels.standard import expand_bifurcated_kv
 
     attend = get_bifurcated_attention(backend)
     dtype = DTYPES[args.dtype]
@@ -67,6 +67,7 @@ def run_attention_bench(args: argparse.Namespace) -> dict[str, object]:
         prefix_k, prefix_v, prefix_offsets, group_offsets, decode_k, decode_v, base, lens
     )
     scale = dim**-0.5
+    baseline, standard_attention = expanded_baseline(device)
 
     def bifurcated() -> torch.Tensor:
         return attend(q, prefix_k, prefix_v, prefix_offsets, group_offsets, decode_k, decode_v, base, lens,
@@ -88,7 +89,7 @@ def run_attention_bench(args: argparse.Namespace) -> dict[str, object]:
     return {
         "benchmark": "attention",
         "samples": n, "context": ctx, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
-        "window": window, "decode_len": args.decode_len, "dtype": args.dtype, "backend": backend,
+        "window": window, "decode_len": args.decode_len, "dtype": args.dtype, "backend": backend, "baseline": baseline,
         "device": str(device), "repeats": args.repeats, "warmup": args.warmup,
         "median_s": medians,
         "ratio_standard_over_bifurcated": medians["standard"] / medians["bifurcated"],

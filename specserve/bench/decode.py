@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.bench.timing import format_bytes, host_info, kernel_setup, time_interleaved
+from specserve.bench.timing import expanded_baseline, format_bytes, host_info, kernel_setup, time_interleaved
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -162,16 +162,15 @@ class ExpandedCache:
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     base: torch.Tensor  # [B] = L + decode tokens before the new one
+    attention: Callable[..., torch.Tensor]  # specserve.bench.timing.expanded_baseline
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write the new k/v at slot ``base`` of each row, then SDPA over the row's whole cache."""
-        from kernels.standard import standard_attention
-
         rows = torch.arange(q.shape[0], device=q.device)
         self.k[layer][rows, :, self.base] = k[:, :, 0]
         self.v[layer][rows, :, self.base] = v[:, :, 0]
         scale = q.shape[-1] ** -0.5
-        return standard_attention(q, self.k[layer], self.v[layer], self.base, self.base + 1, scale)
+        return self.attention(q, self.k[layer], self.v[layer], self.base, self.base + 1, scale)
 
 
 def run_point(
@@ -205,7 +204,7 @@ def run_point(
         )
         exp_k.append(k)
         exp_v.append(v)
-    std = ExpandedCache(k=exp_k, v=exp_v, base=base_exp)
+    std = ExpandedCache(k=exp_k, v=exp_v, base=base_exp, attention=expanded_baseline(device)[1])
     tokens = torch.randint(0, args.vocab, (n,), generator=gen).to(device)
     positions = ctx + base
 
@@ -261,7 +260,8 @@ def run_decode_bench(args: argparse.Namespace) -> dict[str, object]:
         "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                   "head_dim": args.hidden // args.heads, "intermediate": intermediate, "vocab": args.vocab,
                   "parameters": sum(p.numel() for p in model.parameters())},
-        "dtype": args.dtype, "backend": backend, "device": str(device), "decode_len": args.decode_len,
+        "dtype": args.dtype, "backend": backend, "baseline": expanded_baseline(device)[0], "device": str(device),
+        "decode_len": args.decode_len,
         "repeats": args.repeats, "warmup": args.warmup,
         "points": points, "skipped": skipped,
         "host": host_info(),

@@ -37,6 +37,7 @@ import torch
 
 from coordinator.draft_length import DraftLength
 from engine.checkpoint import load_checkpoint
+from engine.device import resolve_device
 from engine.draft import DraftRuntime
 from engine.sampling import SamplingParams
 from engine.target import TargetRuntime
@@ -101,6 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time budget of the samples-within-budget table (default: (a)'s wall time for the largest "
                              "measured n <= max(n)/2, i.e. the time (a) needs for half of the samples)")
     parser.add_argument("--bandwidth-mb", type=int, default=256, help="tensor size of the memory bandwidth probe")
+    parser.add_argument("--device", default="cpu",
+                        help="device of the in-process engine systems (a, d); the HF and gRPC systems need cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="weights and KV dtype of the in-process engine systems")
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile of a BASS run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--json", default=None, help="write all results (with outputs) to this path")
@@ -113,8 +118,11 @@ class Harness:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.target = load_checkpoint(args.target_model)
-        self.draft = load_checkpoint(args.draft_model)
+        device = resolve_device(args.device)
+        if device.type != "cpu" and set(args.systems) - {"a_batched", "d_bass_fixed", "d_bass_adaptive"}:
+            raise SystemExit(f"--device {args.device} runs only the systems a_batched, d_bass_fixed, d_bass_adaptive")
+        self.target = load_checkpoint(args.target_model, args.dtype, device)
+        self.draft = load_checkpoint(args.draft_model, args.dtype, device)
         if self.target.tokenizer is None:
             raise SystemExit(f"{args.target_model} has no tokenizer: the code prompts need one")
         self.target_runtime = TargetRuntime(self.target)

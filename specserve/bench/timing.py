@@ -23,6 +23,17 @@ def kernel_setup(threads: int | None, device: str | None, backend: str | None) -
     return resolved, name
 
 
+def expanded_baseline(device: torch.device) -> tuple[str, Callable[..., torch.Tensor]]:
+    """(name, fn) of the expanded-KV baseline the benchmarks time, ``fn(q, k, v, base, lens, scale)``: on CUDA
+    SDPA over the full cache without a mask (flash kernels; every benchmark row ends at the last cache slot),
+    elsewhere the masked SDPA the serving runtime uses (so CPU figures stay comparable with earlier runs)."""
+    from kernels.standard import full_cache_attention, standard_attention
+
+    if device.type == "cuda":
+        return "sdpa-full-cache", lambda q, k, v, base, lens, scale: full_cache_attention(q, k, v, scale)
+    return "sdpa-masked", standard_attention
+
+
 def synchronize() -> None:
     """Wait for queued CUDA work (a no-op without CUDA), so that wall-clock timings are complete."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():

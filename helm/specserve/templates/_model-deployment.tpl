@@ -40,12 +40,16 @@ spec:
             {{- include "specserve.commonArgs" . | trim | nindent 12 }}
             - --model
             - {{ printf "/models/%s" (trimPrefix "/" $modelPath) | quote }}
+            - --device
+            - {{ $values.device | quote }}
             - --dtype
             - {{ $values.dtype | quote }}
             - --attention
             - {{ $values.attention | quote }}
             - --attention-backend
             - {{ $values.attentionBackend | quote }}
+            - --cuda-graphs
+            - {{ $values.cudaGraphs | quote }}
             - --kv-budget-mb
             - {{ $values.kvBudgetMb | toString | quote }}
             - --session-ttl
