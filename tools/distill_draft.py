@@ -8,14 +8,18 @@ Recipe (documented with its results in models/README.md):
    end at a line break. The continuations are generated once (bf16 copy of the target) and cached.
 2. Student: a Llama with the target's tokenizer (vocab 49152), hidden 128, tied embeddings initialised from
    the top principal components of the target's embedding matrix.
-3. Training: online distillation, ``KL(target || draft)`` over the full vocabulary at temperature 1 on
-   every position (the target runs in bf16 beside the student) plus ``--ce-weight`` x cross-entropy on the
-   actual next token; AdamW, cosine schedule over a wall-clock budget.
+3. Training: online distillation (the target runs in bf16 beside the student): ``KL(target || draft)`` at
+   temperature 1 on every position, over the target's top ``--topk`` tokens plus one bucket for the rest of
+   the vocabulary, plus ``--ce-weight`` x cross-entropy on the actual next token; AdamW, cosine schedule over
+   a wall-clock budget. ``--init`` continues from an earlier checkpoint (a second stage).
 4. Saved in bf16 (the runtime loads it in fp32), with the target's tokenizer, so it loads on its own.
 5. Evaluated on held-out prompts against the fp32 target: greedy acceptance at k=4 (the simulation of
    ``train_default_models.acceptance``) and the expected sampled acceptance sum_x min(p(x), q(x)) at T=0.8.
 
-    .venv/bin/python tools/distill_draft.py --out models/smollm2-draft --gen-minutes 10 --train-minutes 20
+    # the shipped draft: stage 1 from scratch, stage 2 continuing it (see models/README.md)
+    .venv/bin/python tools/distill_draft.py --out /tmp/stage1-draft --gen-minutes 8 --train-minutes 25 --topk 49152
+    .venv/bin/python tools/distill_draft.py --out models/smollm2-draft --init /tmp/stage1-draft \
+        --train-minutes 27 --lr 2e-3 --warmup 10
     .venv/bin/python tools/distill_draft.py --out models/smollm2-draft --eval-only
 """
 
@@ -124,6 +128,27 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def teacher_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's k most probable tokens per position: (probabilities [B, T, k], ids [B, T, k])."""
+    values, ids = logits.topk(k, dim=-1)
+    log_norm = torch.logsumexp(logits.float(), -1, keepdim=True)
+    return (values.float() - log_norm).exp(), ids
+
+
+def sparse_kd_losses(logits: torch.Tensor, teacher_top: tuple[torch.Tensor, torch.Tensor], nxt: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(KL(teacher || student) over the teacher's top-k tokens plus one bucket for the rest of the vocabulary,
+    cross-entropy on the next token), both averaged over all positions but the last."""
+    probs, ids = teacher_top
+    log_norm = torch.logsumexp(logits.float(), -1, keepdim=True)
+    student_top = logits.gather(-1, ids).float() - log_norm
+    rest_p = (1 - probs.sum(-1)).clamp(min=1e-6)
+    rest_q = torch.log1p(-student_top.exp().sum(-1).clamp(max=1 - 1e-6))
+    kl = (probs * (probs.clamp(min=1e-12).log() - student_top)).sum(-1) + rest_p * (rest_p.log() - rest_q)
+    ce = log_norm[..., 0] - logits.gather(-1, nxt[..., None])[..., 0].float()
+    return kl[:, :-1].mean(), ce[:, :-1].mean()
+
+
 def train(student, teacher, generated: torch.Tensor, stream: torch.Tensor, args: argparse.Namespace) -> dict:
     """Online distillation for ``args.train_minutes`` of wall time; returns the training record."""
     rng = torch.Generator().manual_seed(args.seed)
@@ -138,16 +163,13 @@ def train(student, teacher, generated: torch.Tensor, stream: torch.Tensor, args:
         windows = torch.stack([stream[s:s + WINDOW + 1].long() for s in starts.tolist()])
         x = torch.cat([rows[:, :WINDOW], windows[:, :WINDOW]])
         nxt = torch.cat([torch.cat([rows[:, 1:WINDOW], rows[:, WINDOW - 1:WINDOW]], 1), windows[:, 1:]])
-        with torch.inference_mode():
-            teacher_logp = F.log_softmax(teacher(input_ids=x).logits.float(), -1)
-        teacher_logp = teacher_logp.clone()
+        with torch.no_grad():
+            teacher_top = teacher_topk(teacher(input_ids=x).logits, args.topk)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total, args.lr, args.warmup)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = student(input_ids=x).logits
-        logp = F.log_softmax(logits.float(), -1)
-        kl = (teacher_logp.exp() * (teacher_logp - logp)).sum(-1)[:, :-1].mean()
-        ce = F.nll_loss(logp[:, :-1].reshape(-1, logp.size(-1)), nxt[:, :-1].reshape(-1))
+        kl, ce = sparse_kd_losses(logits, teacher_top, nxt)
         loss = kl + args.ce_weight * ce
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -210,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--ce-weight", type=float, default=0.2)
+    ap.add_argument("--topk", type=int, default=64, help="teacher tokens per position in the KD loss (+ a rest bucket)")
+    ap.add_argument("--init", default=None, help="continue training this draft checkpoint")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
@@ -242,14 +266,20 @@ def main(argv: list[str] | None = None) -> int:
             generated = torch.tensor(generate_continuations(teacher, prompts, args.gen_batch, args.seed, deadline))
             torch.save(generated, cache)
         log(f"target continuations: {len(generated)} sequences of {generated.shape[1]} tokens")
-        student = make_student(target, student_config(target.config, args.hidden, args.layers, args.heads,
-                                                      args.kv_heads, args.mlp), args.seed)
+        if args.init:
+            student = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        else:
+            student = make_student(target, student_config(target.config, args.hidden, args.layers, args.heads,
+                                                          args.kv_heads, args.mlp), args.seed)
         record = train(student, teacher, generated, stream, args)
         del teacher
         student.to(torch.bfloat16).save_pretrained(out)
         student.generation_config.save_pretrained(out)
         tokenizer.save_pretrained(out)
-        metrics = {"training": {**record, "generated_sequences": len(generated), "new_tokens": NEW_TOKENS,
+        init_metrics = Path(args.init or "") / "metrics.json"
+        previous = json.loads(init_metrics.read_text())["training"] if args.init and init_metrics.is_file() else None
+        metrics = {"training": {**record, "init": args.init, "previous_stage": previous,
+                                "generated_sequences": len(generated), "new_tokens": NEW_TOKENS,
                                 "prompt_tokens": PROMPT_TOKENS, "train_files": len(train_files),
                                 "train_stream_tokens": len(stream)}}
     else:
