@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import sysconfig
@@ -45,19 +44,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from engine.default_models import default_target  # noqa: E402
 
+# the tiny pair's corpus helpers, shared: progress lines, token ids without special tokens, LR schedule
+log, encode, lr_at = corpus_rules.log, corpus_rules.encode, corpus_rules.lr_at
+
 PROMPT_TOKENS = 128
 NEW_TOKENS = 128
 WINDOW = PROMPT_TOKENS + NEW_TOKENS
-
-
-def log(message: str) -> None:
-    """Print a timestamped progress line."""
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` without special tokens."""
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def training_stream(tokenizer, train: list[tuple[str, str]], eos: int) -> torch.Tensor:
@@ -118,14 +110,6 @@ def make_student(target, config: LlamaConfig, seed: int) -> LlamaForCausalLM:
     projected *= student.get_input_embeddings().weight.std() / projected.std()
     student.get_input_embeddings().weight.data.copy_(projected)
     return student
-
-
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    """Linear warmup, then cosine decay to 10% of the peak at ``total``."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def teacher_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
