@@ -13,9 +13,9 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 # Decoders whose layers are (input norm, q/k/v/o attention with RoPE, post norm, MLP): the runtime
 # drives their modules directly.
-SUPPORTED_ARCHITECTURES = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
-)
+ARCHITECTURES_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES_BY_MODEL_TYPE.values())
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

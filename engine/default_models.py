@@ -5,7 +5,7 @@
   checkpoint under the user cache (``$SPECSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/specserve``, else
   ``~/.cache/specserve``) and reused after.
 * The default **draft** is distilled from that target and committed under ``models/smollm2-draft``.
-* The **tiny** pair (``models/tiny``) is the fast test suite's: 5.5M / 0.9M parameters, own tokenizer.
+* The **tiny** pair (``models/tiny``, 5.5M / 0.9M parameters, its own tokenizer) is for quick experiments.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_DIR_NAME = "smollm2-135m-instruct-q4_1-v1"  # bump the suffix when the conversion changes
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 DRAFT_DIR = MODELS_DIR / "smollm2-draft"
-TINY_DIR = MODELS_DIR / "tiny"
 ROLES = ("draft", "target")
 
 

@@ -20,15 +20,16 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine.checkpoint import ARCHITECTURES_BY_MODEL_TYPE
+
 SOURCE_FILE = "specserve-source.json"  # written last into a converted checkpoint: where it came from
 
 
 def _architecture(model_type: str) -> str:
-    names = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM"}
-    if model_type not in names:
-        raise ValueError(f"GGUF model type {model_type!r} is not served by specserve; supported: {sorted(names)}")
-    return names[model_type]
+    if model_type not in ARCHITECTURES_BY_MODEL_TYPE:
+        raise ValueError(f"GGUF model type {model_type!r} is not served by specserve; "
+                         f"supported: {sorted(ARCHITECTURES_BY_MODEL_TYPE)}")
+    return ARCHITECTURES_BY_MODEL_TYPE[model_type]
 
 
 def _write_checkpoint(gguf_file: Path, directory: Path, label: str, progress: bool) -> None:
@@ -45,7 +46,7 @@ def _write_checkpoint(gguf_file: Path, directory: Path, label: str, progress: bo
     for key in tqdm(list(state), desc=f"writing {label}", unit="tensor", disable=not progress):
         if tied and key == "lm_head.weight":
             continue
-        tensors[key] = state[key].detach().contiguous().clone()
+        tensors[key] = state[key].detach().contiguous()
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(directory)
     model.generation_config.save_pretrained(directory)
