@@ -10,6 +10,7 @@ import torch
 
 from engine.errors import InvalidInput
 from engine.kv_cache import KVLayout
+from engine.prefix_cache import PrefixSpan
 from engine.sampling import SamplingParams
 
 
@@ -59,9 +60,11 @@ class Batch:
         """The live sequence ids."""
         return {s.sequence_id for s in self.sequences}
 
-    def add(self, states: Sequence[SequenceState], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Append one group's sequences (rows) with its prompt KV."""
-        self.kv.add_group(len(states), keys, values)
+    def add(self, states: Sequence[SequenceState], keys: list[torch.Tensor], values: list[torch.Tensor],
+            shared: PrefixSpan | None = None) -> None:
+        """Append one group's sequences (rows) with its prompt KV: the cached path ending at ``shared``, then
+        keys/values of the rest of the prompt."""
+        self.kv.add_group(len(states), keys, values, shared)
         self.sequences.extend(states)
 
     def release(self, sequence_ids: Iterable[int]) -> int:

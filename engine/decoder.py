@@ -50,20 +50,34 @@ class Decoder:
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     @torch.inference_mode()
-    def prefill(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """Run a prompt (batch 1, causal) and return (logits of its last position [V], per-layer
-        keys and values [Hkv, P, D]) — the prompt KV that a group stores once."""
+    def prefill(self, token_ids: Sequence[int], past: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+                ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Run a prompt (batch 1, causal) and return (logits of its last position [V], per-layer keys and
+        values [Hkv, P, D]) — the prompt KV that a group stores once.
+
+        With ``past`` (per-layer keys, values [Hkv, M, D] of the prompt's first M tokens, e.g. from a prefix
+        cache), ``token_ids`` are the tokens after them: they sit at positions M.. and attend to the past too;
+        the returned KV covers ``token_ids`` only."""
+        done = int(past[0][0].shape[1]) if past is not None else 0
         tokens = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        positions = torch.arange(tokens.shape[1], device=self.device)[None, :]
+        width = tokens.shape[1]
+        positions = torch.arange(done, done + width, device=self.device)[None, :]
         h = self.body.embed_tokens(tokens)
         cos, sin = self.body.rotary_emb(h, positions)
+        mask = None
+        if done:  # query i sees the whole past and its own window up to i
+            mask = torch.arange(done + width, device=self.device)[None, :] <= positions[0, :, None]
         keys, values = [], []
-        for layer in self.body.layers:
+        for index, layer in enumerate(self.body.layers):
             q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin)
             keys.append(k[0])
             values.append(v[0])
+            if past is not None and done:
+                k = torch.cat([past[0][index].to(k)[None], k], dim=2)
+                v = torch.cat([past[1][index].to(v)[None], v], dim=2)
             o = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.q_heads != self.kv_heads
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                enable_gqa=self.q_heads != self.kv_heads,
             )
             h = self._finish_layer(layer, h, o)
         logits = self.model.lm_head(self.body.norm(h[:, -1]))

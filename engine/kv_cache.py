@@ -4,7 +4,9 @@ Rows of a batch are sequences, ordered so the rows of one group are contiguous. 
 the same operations, so the runtime can compare them in one run:
 
 - ``BifurcatedKV``: each group's prompt KV is stored once (packed with the other groups' prefixes);
-  each row has its own decode KV. Memory grows as prompt_len + n * decode_len.
+  each row has its own decode KV. Memory grows as prompt_len + n * decode_len. With a prefix cache, the
+  cached head of a group's prompt stays in the cache (``engine.prefix_cache``), read in place by every
+  group whose path includes it: three levels (shared spans, the group's own prompt tail, decode).
 - ``ExpandedKV``: every row holds its own copy of the prompt KV followed by its decode KV, as naive
   batching does. Memory grows as n * (prompt_len + decode_len).
 """
@@ -13,9 +15,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from engine.prefix_cache import PrefixSpan
+from kernels.cascade import ContextFn, ContextLevel, DecodeFn, cascade_attention, contiguous_runs
 from kernels.standard import standard_attention
 
 BifurcatedFn = Callable[..., torch.Tensor]
@@ -40,7 +45,9 @@ class KVLayout(ABC):
         self.dtype = dtype
         self.device = torch.device(device)
         self.group_sizes: list[int] = []
-        self.prefix_lens: list[int] = []
+        self.prefix_lens: list[int] = []  # each group's whole prompt length (its rows' first decode position)
+        self.stored_lens: list[int] = []  # the part of it this layout stores (the rest is in shared spans)
+        self.group_spans: list[PrefixSpan | None] = []  # deepest cached span of each group's prompt
         self.version = 0
         self._row_prefix_lens: torch.Tensor | None = None
 
@@ -64,6 +71,10 @@ class KVLayout(ABC):
         self.version += 1
         self._row_prefix_lens = None
 
+    def shared_changed(self) -> None:
+        """Record that shared prefix spans were restructured (split) by their cache."""
+        self._changed()
+
     def reserve(self, base: Sequence[int], width: int) -> None:
         """Make room for a window of ``width`` tokens at decode positions base[b] .. base[b] + width - 1 of
         every row (the slabs grow by doubling, which bumps ``version``)."""
@@ -79,8 +90,18 @@ class KVLayout(ABC):
         """Grow the slabs (keeping their contents) to at least ``capacity`` position slots."""
 
     @abstractmethod
-    def add_group(self, rows: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
-        """Append a group of ``rows`` samples whose prompt KV per layer is keys/values [Hkv, P, D]."""
+    def add_group(self, rows: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                  shared: PrefixSpan | None = None) -> None:
+        """Append a group of ``rows`` samples whose prompt is the cached path ending at ``shared`` (None:
+        nothing cached) followed by tokens whose KV per layer is keys/values [Hkv, P, D] (P may be 0 only
+        after a shared path)."""
+
+    def _append_group(self, rows: int, prompt_len: int, stored_len: int, shared: PrefixSpan | None) -> None:
+        self.group_sizes.append(rows)
+        self.prefix_lens.append(prompt_len)
+        self.stored_lens.append(stored_len)
+        self.group_spans.append(shared)
+        self._changed()
 
     @abstractmethod
     def keep_rows(self, keep: Sequence[bool]) -> None:
@@ -104,16 +125,19 @@ class KVLayout(ABC):
     def _regroup(self, keep: Sequence[bool]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Keep the flagged rows' groups: updates group sizes and prompt lengths, returns (kept row
         indices on the device, [start, end) of each kept group's prompt within the old packed prompts)."""
-        sizes, lens, spans, start, offset = [], [], [], 0, 0
-        for size, plen in zip(self.group_sizes, self.prefix_lens, strict=True):
+        sizes, lens, stored, shared, spans, start, offset = [], [], [], [], [], 0, 0
+        for size, plen, slen, span in zip(self.group_sizes, self.prefix_lens, self.stored_lens, self.group_spans,
+                                          strict=True):
             kept = sum(keep[start : start + size])
             if kept:
                 sizes.append(kept)
                 lens.append(plen)
-                spans.append((offset, offset + plen))
+                stored.append(slen)
+                shared.append(span)
+                spans.append((offset, offset + slen))
             start += size
-            offset += plen
-        self.group_sizes, self.prefix_lens = sizes, lens
+            offset += slen
+        self.group_sizes, self.prefix_lens, self.stored_lens, self.group_spans = sizes, lens, stored, shared
         self._changed()
         kept_rows = [i for i, flag in enumerate(keep) if flag]
         return torch.tensor(kept_rows, dtype=torch.long, device=self.device), spans
@@ -144,18 +168,32 @@ class KVLayout(ABC):
 
 
 class BifurcatedKV(KVLayout):
-    """Prompt KV stored once per group, decode KV per row; attention split and merged by LSE."""
+    """Prompt KV stored once per group, decode KV per row; attention split and merged by LSE.
+
+    ``attention`` is the two-part (prefix, decode) kernel; ``parts`` = (context, decode) part functions of the
+    same backend, which cascade attention composes when groups have shared spans from a prefix cache.
+    """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 attention: BifurcatedFn, device: torch.device | str = "cpu") -> None:
+                 attention: BifurcatedFn, device: torch.device | str = "cpu",
+                 parts: tuple[ContextFn, DecodeFn] | None = None) -> None:
         super().__init__(num_layers, kv_heads, head_dim, dtype, device)
         self._attention = attention
+        self._parts = parts
+        self._plan: _CascadePlan | None = None
+        self._plan_version = -1
         self.prefix_k = [self._zeros(kv_heads, 0, head_dim) for _ in range(num_layers)]
         self.prefix_v = [self._zeros(kv_heads, 0, head_dim) for _ in range(num_layers)]
         self.decode_k = [self._zeros(0, kv_heads, 0, head_dim) for _ in range(num_layers)]
         self.decode_v = [self._zeros(0, kv_heads, 0, head_dim) for _ in range(num_layers)]
 
-    def add_group(self, rows: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    def add_group(self, rows: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                  shared: PrefixSpan | None = None) -> None:
+        stored = int(keys[0].shape[1])
+        if shared is not None and self._parts is None:
+            raise ValueError("shared prefix spans need the layout's context/decode part functions")
+        if shared is None and stored == 0:
+            raise ValueError("a group needs a non-empty prompt")
         for layer in range(self.num_layers):
             self.prefix_k[layer] = torch.cat([self.prefix_k[layer], keys[layer].to(self.prefix_k[layer])], dim=1)
             self.prefix_v[layer] = torch.cat([self.prefix_v[layer], values[layer].to(self.prefix_v[layer])], dim=1)
@@ -164,9 +202,7 @@ class BifurcatedKV(KVLayout):
                                                                                 self.head_dim)])
             self.decode_v[layer] = torch.cat([self.decode_v[layer], self._zeros(rows, self.kv_heads, capacity,
                                                                                 self.head_dim)])
-        self.group_sizes.append(rows)
-        self.prefix_lens.append(int(keys[0].shape[1]))
-        self._changed()
+        self._append_group(rows, stored + (shared.end() if shared is not None else 0), stored, shared)
 
     def keep_rows(self, keep: Sequence[bool]) -> None:
         row_index, spans = self._regroup(keep)
@@ -193,19 +229,66 @@ class BifurcatedKV(KVLayout):
 
     def attend(self, layer: int, q: torch.Tensor, base: torch.Tensor, lens: torch.Tensor,
                scale: float) -> torch.Tensor:
-        prefix_offsets = [0]
-        group_offsets = [0]
-        for size, plen in zip(self.group_sizes, self.prefix_lens, strict=True):
-            prefix_offsets.append(prefix_offsets[-1] + plen)
-            group_offsets.append(group_offsets[-1] + size)
+        plan = self._cascade_plan()
+        if plan.spans:
+            assert self._parts is not None
+            levels = [ContextLevel(self.prefix_k[layer][:, lo:hi], self.prefix_v[layer][:, lo:hi], offsets, groups,
+                                   row_lo) for lo, hi, offsets, groups, row_lo in plan.own]
+            levels += [ContextLevel(span.keys[layer], span.values[layer], (0, len(span.tokens)), (0, hi - lo), lo)
+                       for span, lo, hi in plan.spans]
+            return cascade_attention(q, levels, self.decode_k[layer], self.decode_v[layer], base, lens, scale,
+                                     *self._parts)
+        (_, _, offsets, groups, _), = plan.own
         return self._attention(
-            q, self.prefix_k[layer], self.prefix_v[layer], prefix_offsets, group_offsets,
+            q, self.prefix_k[layer], self.prefix_v[layer], list(offsets), list(groups),
             self.decode_k[layer], self.decode_v[layer], base, lens, scale,
         )
+
+    def _cascade_plan(self) -> _CascadePlan:
+        """Which rows attend which stored prompt runs and shared spans (rebuilt once per version)."""
+        if self._plan is not None and self._plan_version == self.version:
+            return self._plan
+        own: list[tuple[int, int, tuple[int, ...], tuple[int, ...], int]] = []
+        users: dict[PrefixSpan, list[int]] = {}
+        row = stored = 0
+        run: list[tuple[int, int]] = []  # (stored length, rows) of consecutive groups that store a prompt tail
+
+        def close_run() -> None:
+            if run:
+                size = sum(n for _, n in run)
+                offsets, groups = [0], [0]
+                for slen, n in run:
+                    offsets.append(offsets[-1] + slen)
+                    groups.append(groups[-1] + n)
+                own.append((stored - offsets[-1], stored, tuple(offsets), tuple(groups), row - size))
+                run.clear()
+
+        for size, slen, span in zip(self.group_sizes, self.stored_lens, self.group_spans, strict=True):
+            if slen:
+                run.append((slen, size))
+            else:
+                close_run()
+            for node in span.path() if span is not None else ():
+                users.setdefault(node, []).extend(range(row, row + size))
+            row += size
+            stored += slen
+        close_run()
+        spans = [(node, lo, hi) for node, rows in users.items() for lo, hi in contiguous_runs(rows)]
+        self._plan, self._plan_version = _CascadePlan(own, spans), self.version
+        return self._plan
 
     def nbytes(self) -> int:
         tensors = self.prefix_k + self.prefix_v + self.decode_k + self.decode_v
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class _CascadePlan:
+    """Per version: runs of groups with stored prompt tails (stored [lo, hi), segment offsets, row offsets,
+    first row) and the shared spans with the contiguous row run [lo, hi) that reads each."""
+
+    own: list[tuple[int, int, tuple[int, ...], tuple[int, ...], int]]
+    spans: list[tuple[PrefixSpan, int, int]]
 
 
 class ExpandedKV(KVLayout):
@@ -217,19 +300,19 @@ class ExpandedKV(KVLayout):
         self.k = [self._zeros(0, kv_heads, 0, head_dim) for _ in range(num_layers)]
         self.v = [self._zeros(0, kv_heads, 0, head_dim) for _ in range(num_layers)]
 
-    def add_group(self, rows: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
-        plen = int(keys[0].shape[1])
+    def add_group(self, rows: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                  shared: PrefixSpan | None = None) -> None:
+        path = shared.path() if shared is not None else []
+        plen = int(keys[0].shape[1]) + sum(len(s.tokens) for s in path)
         self._ensure_capacity(plen)
         for layer in range(self.num_layers):
             fresh_k = self._zeros(rows, self.kv_heads, self.k[layer].shape[2], self.head_dim)
             fresh_v = torch.zeros_like(fresh_k)
-            fresh_k[:, :, :plen] = keys[layer].to(fresh_k)
-            fresh_v[:, :, :plen] = values[layer].to(fresh_v)
+            fresh_k[:, :, :plen] = torch.cat([s.keys[layer] for s in path] + [keys[layer]], dim=1).to(fresh_k)
+            fresh_v[:, :, :plen] = torch.cat([s.values[layer] for s in path] + [values[layer]], dim=1).to(fresh_v)
             self.k[layer] = torch.cat([self.k[layer], fresh_k])
             self.v[layer] = torch.cat([self.v[layer], fresh_v])
-        self.group_sizes.append(rows)
-        self.prefix_lens.append(plen)
-        self._changed()
+        self._append_group(rows, plen, plen, None)  # every row holds its own copy of the whole prompt
 
     def keep_rows(self, keep: Sequence[bool]) -> None:
         row_index, _ = self._regroup(keep)

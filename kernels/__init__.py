@@ -14,6 +14,11 @@ ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("kernels.bifurcated", "bifurcated_attention"),
     "triton": ("kernels.bifurcated_triton", "bifurcated_attention_triton"),
 }
+# backend name -> its (context part, decode part) functions, which cascade attention composes.
+ATTENTION_PARTS: dict[str, tuple[str, str]] = {
+    "torch": ("context_attention", "decode_attention"),
+    "triton": ("context_attention_triton", "decode_attention_triton"),
+}
 
 
 def triton_interpreted() -> bool:
@@ -32,11 +37,25 @@ def get_bifurcated_attention(backend: str | None = None) -> Callable[..., torch.
     Every backend has the signature of :func:`kernels.bifurcated.bifurcated_attention` and the same
     result up to floating-point rounding. Raises ``ValueError`` for an unknown backend name.
     """
+    module, name = _backend_module(backend)
+    return getattr(module, ATTENTION_BACKENDS[name][1])
+
+
+def get_attention_parts(backend: str | None = None) -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                                                             Callable[..., tuple[torch.Tensor, torch.Tensor]]]:
+    """The (context, decode) part functions of ``backend``, with the signatures of
+    :func:`kernels.bifurcated.context_attention` and :func:`kernels.bifurcated.decode_attention`; both return
+    fp32 (o, lse). Raises ``ValueError`` for an unknown backend name."""
+    module, name = _backend_module(backend)
+    context, decode = ATTENTION_PARTS[name]
+    return getattr(module, context), getattr(module, decode)
+
+
+def _backend_module(backend: str | None) -> tuple[object, str]:
     name = default_backend() if backend in (None, "", "auto") else backend
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {sorted(ATTENTION_BACKENDS)}")
-    module_name, attr = ATTENTION_BACKENDS[name]
-    return getattr(importlib.import_module(module_name), attr)
+    return importlib.import_module(ATTENTION_BACKENDS[name][0]), name
 
 
 def backend_for_device(backend: str | None, device: torch.device) -> str:

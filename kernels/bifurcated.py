@@ -30,6 +30,7 @@ __all__ = [
     "context_attention",
     "decode_attention",
     "merge_attention_states",
+    "merge_states",
     "kv_cache_bytes",
     "validate_layout",
 ]
@@ -221,16 +222,23 @@ def merge_attention_states(
     with ``lse = -inf`` (no key) has weight 0, and when both are empty the result is 0. ``o*`` are
     [..., D] and ``lse*`` are [...]. Returns ``o1``'s dtype.
     """
-    l1 = lse1.to(torch.float32)
-    l2 = lse2.to(torch.float32)
-    m = torch.maximum(l1, l2)
-    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    w1 = torch.exp(l1 - m)
-    w2 = torch.exp(l2 - m)
-    denom = w1 + w2
-    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
-    out = (o1.to(torch.float32) * (w1 / denom)[..., None]) + (o2.to(torch.float32) * (w2 / denom)[..., None])
+    out, _ = merge_states(o1.to(torch.float32), lse1.to(torch.float32), o2.to(torch.float32),
+                          lse2.to(torch.float32))
     return out.to(o1.dtype)
+
+
+def merge_states(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact merge of two fp32 attention states over disjoint keys: (o [..., D], lse [...]). A part with
+    lse = -inf has weight 0; both empty gives (0, -inf)."""
+    m = torch.maximum(lse1, lse2)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w1 = torch.exp(lse1 - m_safe)
+    w2 = torch.exp(lse2 - m_safe)
+    total = w1 + w2
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    out = o1 * (w1 / safe)[..., None] + o2 * (w2 / safe)[..., None]
+    return out, m_safe + torch.log(total)
 
 
 def bifurcated_attention(

@@ -96,12 +96,24 @@ class ModelMetrics:
                              ["method", "code"], registry=r)
         self.forward = Histogram("specserve_forward_seconds", "runtime time of a call (prefill/propose/verify)",
                                  ["method"], buckets=LATENCY_BUCKETS, registry=r)
+        self.prefix_cache_bytes = Gauge("specserve_prefix_cache_bytes", "bytes held by the prefix cache",
+                                        registry=r)
+        self.prefix_cache_hit_rate = Gauge("specserve_prefix_cache_hit_rate",
+                                           "cumulative prompt tokens found in the prefix cache / prompt tokens "
+                                           "looked up", registry=r)
 
     def track_runtime(self, stats: Callable[[], dict[str, int]]) -> None:
         """Make the KV/session/sequence gauges read the runtime's ``stats()`` at every scrape."""
         self.kv_bytes.set_function(lambda: float(stats()["kv_bytes"]))
         self.sessions.set_function(lambda: float(stats()["batches"]))
         self.sequences.set_function(lambda: float(stats()["sequences"]))
+        self.prefix_cache_bytes.set_function(lambda: float(stats()["prefix_cache_bytes"]))
+        self.prefix_cache_hit_rate.set_function(lambda: _ratio(stats(), "prefix_cache_hit_tokens",
+                                                               "prefix_cache_lookup_tokens"))
+
+
+def _ratio(stats: dict[str, int], numerator: str, denominator: str) -> float:
+    return stats[numerator] / stats[denominator] if stats[denominator] else 0.0
 
 
 class CallMetricsInterceptor(grpc.ServerInterceptor):

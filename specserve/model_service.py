@@ -100,12 +100,13 @@ class ModelServicer:
                       "specserve.prompt_tokens": sum(len(g.prompt_token_ids) for g in request.groups)}
         with telemetry.server_span(f"{runtime.role}.prefill", context, attributes) as span, \
                 self.metrics.forward.labels("prefill").time():
-            first = self.on_compute_thread(runtime.prefill, request.batch_id,
-                                           [group_from_proto(g) for g in request.groups])
+            done = self.on_compute_thread(runtime.prefill, request.batch_id,
+                                          [group_from_proto(g) for g in request.groups])
             kv_bytes = runtime.kv_bytes_in_use()
             span.set_attribute("specserve.kv_bytes", kv_bytes)
+            span.set_attribute("specserve.cached_prompt_tokens", sum(done.cached_tokens.values()))
         return model_pb2.PrefillResponse(
-            first_tokens=[model_pb2.SequenceToken(sequence_id=s, token_id=t) for s, t in first.items()],
+            first_tokens=[model_pb2.SequenceToken(sequence_id=s, token_id=t) for s, t in done.first_tokens.items()],
             kv_bytes=kv_bytes,
         )
 
@@ -139,6 +140,7 @@ def runtime_options(args: Any) -> tuple[torch.device, dict[str, Any]]:
         "attention": args.attention, "attention_backend": backend, "cuda_graphs": graphs,
         "kv_budget_bytes": int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
         "session_ttl_s": args.session_ttl,
+        "prefix_cache_bytes": int(args.prefix_cache_mb * 2**20),
     }
 
 

@@ -40,6 +40,10 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
                         help="record window steps as CUDA graphs (auto: on CUDA with a capturable attention)")
     parser.add_argument("--kv-budget-mb", type=float, default=0.0,
                         help="refuse new groups (RESOURCE_EXHAUSTED) beyond this much KV cache; 0 = unbounded")
+    parser.add_argument("--prefix-cache-mb", type=float, default=0.0,
+                        help="keep prompt KV of 16-token blocks across requests, at most this much (within "
+                             "--kv-budget-mb); a prompt that begins with cached blocks prefills only the rest; "
+                             "0 = off")
     parser.add_argument("--session-ttl", type=float, default=300.0, help="seconds before an idle batch expires")
 
 

@@ -17,7 +17,7 @@ def groups(samples: int = 3, max_new_tokens: int = 16) -> list[GroupInput]:
 
 def greedy_decode(runtime: TargetRuntime, steps: int) -> dict[int, list[int]]:
     """First tokens and ``steps`` plain decode steps (empty proposals) of the groups, per sequence id."""
-    out = {sid: [token] for sid, token in runtime.prefill("b", groups()).items()}
+    out = {sid: [token] for sid, token in runtime.prefill("b", groups()).first_tokens.items()}
     for _ in range(steps):
         for verdict in runtime.verify("b", {sid: ([], []) for sid in out}):
             out[verdict.sequence_id].append(verdict.next_token_id)

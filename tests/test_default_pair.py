@@ -101,7 +101,7 @@ def test_engine_runtime_matches_hf_generate_on_real_target(target_dir, tokenizer
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
         expected = greedy(target_dir, prompt, new_tokens, None)
         batch_id = f"b{index}"
-        first = runtime.prefill(batch_id, [GroupInput(0, prompt, [0, 1, 2], SamplingParams(), new_tokens)])
+        first = runtime.prefill(batch_id, [GroupInput(0, prompt, [0, 1, 2], SamplingParams(), new_tokens)]).first_tokens
         outputs = {sid: [token] for sid, token in first.items()}
         for _ in range(new_tokens - 1):
             for verdict in runtime.verify(batch_id, {sid: ([], []) for sid in outputs}):

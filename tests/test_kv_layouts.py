@@ -19,8 +19,8 @@ def test_release_mid_generation_keeps_the_rest_exact(checkpoints, attention):
     runtime = TargetRuntime(load_checkpoint(checkpoints["qwen2"]), attention=attention)
     groups = [GroupInput(g, prompt, [10 * g + i for i in range(3)], SamplingParams(), max_new_tokens=40)
               for g, prompt in PROMPTS.items()]
-    first = runtime.prefill("b", groups[:2])
-    first.update(runtime.prefill("b", groups[2:]))  # a group joining an existing batch
+    first = runtime.prefill("b", groups[:2]).first_tokens
+    first.update(runtime.prefill("b", groups[2:]).first_tokens)  # a group joining an existing batch
     out = {sid: [token] for sid, token in first.items()}
     live = set(out)
     for step in range(24):

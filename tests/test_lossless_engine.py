@@ -64,7 +64,7 @@ def speculative_samples(target, draft, params: SamplingParams, batch_id: str) ->
     """(t1, t2, t3) of SAMPLES sequences: t1 from prefill, then k=2 rounds until every sequence has 3."""
     ids = list(range(SAMPLES))
     group = GroupInput(0, PROMPT, ids, params, max_new_tokens=16)
-    first = target.prefill(batch_id, [group])
+    first = target.prefill(batch_id, [group]).first_tokens
     draft.prefill(batch_id, [group])
     tokens = {s: [first[s]] for s in ids}
     updates = {s: (0, first[s], []) for s in ids}

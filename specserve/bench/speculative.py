@@ -59,7 +59,7 @@ def engine_batched(target: TargetRuntime, prompt: list[int], n: int, params: Sam
     stats = RunStats()
     start = time.perf_counter()
     batch_id = f"bench-a-{uuid.uuid4().hex}"
-    first = target.prefill(batch_id, [_group(prompt, n, params, max_new_tokens)])
+    first = target.prefill(batch_id, [_group(prompt, n, params, max_new_tokens)]).first_tokens
     out = {sid: [first[sid]] for sid in range(n)}
     try:
         while len(out[0]) < max_new_tokens:
@@ -85,7 +85,7 @@ def engine_bass(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], n
     start = time.perf_counter()
     batch_id = f"bench-d-{uuid.uuid4().hex}"
     group = _group(prompt, n, params, max_new_tokens)
-    first = target.prefill(batch_id, [group])
+    first = target.prefill(batch_id, [group]).first_tokens
     draft.prefill(batch_id, [group])
     prefilled = time.perf_counter()
     stats.target_s = prefilled - start  # both prefills; the draft's is a small share

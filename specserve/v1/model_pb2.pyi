@@ -179,15 +179,25 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelStats(_message.Message):
-    __slots__ = ("batches", "sequences", "kv_bytes", "kv_reserved_bytes", "kv_budget_bytes")
+    __slots__ = ("batches", "sequences", "kv_bytes", "kv_reserved_bytes", "kv_budget_bytes", "prefix_cache_bytes", "prefix_cache_spans", "prefix_cache_lookup_tokens", "prefix_cache_hit_tokens", "prefix_cache_refs")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_SPANS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_REFS_FIELD_NUMBER: _ClassVar[int]
     batches: int
     sequences: int
     kv_bytes: int
     kv_reserved_bytes: int
     kv_budget_bytes: int
-    def __init__(self, batches: _Optional[int] = ..., sequences: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_reserved_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ...) -> None: ...
+    prefix_cache_bytes: int
+    prefix_cache_spans: int
+    prefix_cache_lookup_tokens: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_refs: int
+    def __init__(self, batches: _Optional[int] = ..., sequences: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., kv_reserved_bytes: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., prefix_cache_spans: _Optional[int] = ..., prefix_cache_lookup_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_refs: _Optional[int] = ...) -> None: ...
