@@ -219,6 +219,9 @@ class Scheduler:
             self._prefill_failed(request, target_result)
             return
         span.set_attribute("specserve.kv_bytes", target_result.kv_bytes)
+        request.usage.cached_prompt_tokens = sum(c.tokens for c in target_result.cached_tokens
+                                                 if c.group_id == request.group_id)
+        span.set_attribute("specserve.cached_prompt_tokens", request.usage.cached_prompt_tokens)
         if draft_result and isinstance(draft_result[0], BaseException):
             self._drop_draft(draft_result[0])
         request.admitted = time.monotonic()

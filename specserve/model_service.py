@@ -108,6 +108,7 @@ class ModelServicer:
         return model_pb2.PrefillResponse(
             first_tokens=[model_pb2.SequenceToken(sequence_id=s, token_id=t) for s, t in done.first_tokens.items()],
             kv_bytes=kv_bytes,
+            cached_tokens=[model_pb2.GroupCachedTokens(group_id=g, tokens=n) for g, n in done.cached_tokens.items()],
         )
 
     @grpc_errors

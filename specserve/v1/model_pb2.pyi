@@ -75,12 +75,22 @@ class SequenceToken(_message.Message):
     def __init__(self, sequence_id: _Optional[int] = ..., token_id: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_tokens", "kv_bytes")
+    __slots__ = ("first_tokens", "kv_bytes", "cached_tokens")
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_tokens: _containers.RepeatedCompositeFieldContainer[SequenceToken]
     kv_bytes: int
-    def __init__(self, first_tokens: _Optional[_Iterable[_Union[SequenceToken, _Mapping]]] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    cached_tokens: _containers.RepeatedCompositeFieldContainer[GroupCachedTokens]
+    def __init__(self, first_tokens: _Optional[_Iterable[_Union[SequenceToken, _Mapping]]] = ..., kv_bytes: _Optional[int] = ..., cached_tokens: _Optional[_Iterable[_Union[GroupCachedTokens, _Mapping]]] = ...) -> None: ...
+
+class GroupCachedTokens(_message.Message):
+    __slots__ = ("group_id", "tokens")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    group_id: int
+    tokens: int
+    def __init__(self, group_id: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
     __slots__ = ("sequence_id", "accepted_len", "next_token_id", "catch_up_token_ids")
