@@ -1,6 +1,9 @@
 """Routes requests across target replicas: one Scheduler (one running batch) per target replica.
 
-New requests go to the healthy replica with the least load; a request whose replica failed before
+New requests go to the healthy replica with the least load, except that when the targets run a prefix
+cache a request goes to the replica that was sent the longest prefix of its prompt, provided that
+replica's load is within ``prefix_affinity_slack`` sequences of the least (so requests sharing a system
+prompt land in one batch and one cache, and load still spreads). A request whose replica failed before
 anything reached the client is retried once on another replica. Discovery runs periodically, adding
 schedulers for new target replicas and retiring those of vanished ones.
 """
@@ -14,6 +17,7 @@ import time
 
 from coordinator.draft_length import DraftLength
 from coordinator.model_clients import ModelEndpoint, check_compatible
+from coordinator.prefix_affinity import PrefixAffinity
 from coordinator.replicas import ReplicaPool
 from coordinator.request import Request, new_samples
 from coordinator.scheduler import QueueFull, Scheduler, SchedulerConfig
@@ -31,8 +35,11 @@ class Router:
     """The coordinator's replicas and their schedulers."""
 
     def __init__(self, targets: ReplicaPool, drafts: ReplicaPool | None, config: SchedulerConfig,
-                 draft_length: tuple[int, int, bool], metrics: CoordinatorMetrics | None = None) -> None:
+                 draft_length: tuple[int, int, bool], metrics: CoordinatorMetrics | None = None,
+                 prefix_affinity_slack: int = 16) -> None:
         self.targets = targets
+        self.prefix_affinity_slack = prefix_affinity_slack
+        self.affinity: PrefixAffinity | None = None  # set in start() when the targets cache prefixes
         self.metrics = metrics if metrics is not None else CoordinatorMetrics()
         self.metrics.track_queue_depth(lambda: self.queue_depth)
         self.drafts = drafts
@@ -49,6 +56,8 @@ class Router:
         await self.targets.wait_for_one(connect_timeout_s)
         self.reference = next(iter(self.targets.endpoints.values()))
         self.codec = TextCodec(self.reference.info.tokenizer_json)
+        if self.reference.info.prefix_block_tokens > 0:
+            self.affinity = PrefixAffinity(self.reference.info.prefix_block_tokens)
         self.targets.accept = self._compatible
         if self.drafts is not None:
             self.drafts.accept = self._compatible
@@ -97,6 +106,8 @@ class Router:
                 self._add_scheduler(target)
             for target in removed:
                 scheduler = self.schedulers.pop(target.address)
+                if self.affinity is not None:
+                    self.affinity.forget(target.address)
                 for request in scheduler.retire():
                     self._place(request, exclude=None)
 
@@ -105,11 +116,29 @@ class Router:
         healthy = [s for s in schedulers if s.target.healthy]
         return sorted(healthy or schedulers, key=lambda s: (s.load, s.target.address))
 
+    def _ranked(self, request: Request, exclude: Scheduler | None) -> tuple[list[Scheduler], list[int]]:
+        """Candidates in the order to try them, and the prompt's block keys (empty without affinity)."""
+        by_load = self._candidates(exclude)
+        if self.affinity is None or not by_load:
+            return by_load, []
+        keys = self.affinity.keys(request.spec.prompt_token_ids)
+        least = by_load[0].load
+
+        def rank(scheduler: Scheduler) -> tuple[int, int, str]:
+            near = scheduler.load <= least + self.prefix_affinity_slack
+            matched = self.affinity.matched_blocks(scheduler.target.address, keys) if near else 0
+            return -matched, scheduler.load, scheduler.target.address
+
+        return sorted(by_load, key=rank), keys
+
     def _place(self, request: Request, exclude: Scheduler | None) -> Scheduler:
-        for scheduler in self._candidates(exclude):
+        ranked, keys = self._ranked(request, exclude)
+        for scheduler in ranked:
             try:
                 scheduler.enqueue(request)
                 request.scheduler = scheduler
+                if self.affinity is not None:
+                    self.affinity.record(scheduler.target.address, keys)
                 return scheduler
             except QueueFull:
                 continue
@@ -117,7 +146,7 @@ class Router:
                         "retry after a short backoff")
 
     def submit(self, spec: GenerationSpec, stream: bool, deadline: float | None, span: object = None) -> Request:
-        """Queue a validated request on the least loaded healthy replica; raises QueueFull.
+        """Queue a validated request on a healthy replica (least loaded, or holding its prefix); raises QueueFull.
 
         ``span`` is the request's coordinator.generate span (None when not traced).
         """

@@ -46,7 +46,7 @@ async def serve_coordinator(args: argparse.Namespace) -> int:
                              max_queue=args.max_queue, model_timeout_s=args.model_timeout,
                              draft_timeout_s=args.draft_timeout)
     router = Router(targets, drafts, config, (args.draft_len, args.max_draft_len, not args.fixed_draft_len),
-                    metrics)
+                    metrics, prefix_affinity_slack=args.prefix_affinity_slack)
     await router.start(args.connect_timeout)
     interceptors = []
     if args.auth_token_file:

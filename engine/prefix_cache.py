@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +65,15 @@ def chain_hash(parent_hash: int, block: Sequence[int]) -> int:
     return hash((parent_hash, tuple(block)))
 
 
+def block_hashes(tokens: Sequence[int], block_tokens: int) -> Iterator[tuple[Sequence[int], int]]:
+    """Each full block of ``tokens`` in order with its chain key (the key names the whole prefix up to it)."""
+    key = _ROOT_HASH
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        block = tokens[start : start + block_tokens]
+        key = chain_hash(key, block)
+        yield block, key
+
+
 @dataclass
 class PrefixHit:
     """A lookup's result: the deepest span of the matched path (None: nothing cached) and its length."""
@@ -96,11 +105,8 @@ class PrefixCache:
         """The longest cached block-aligned prefix of ``tokens`` of at most ``limit`` tokens, as a path that
         ends exactly at a span boundary (a span is split when the match ends inside it). Marks the path
         used and, with ``count``, counts the lookup in the hit statistics."""
-        key, matched, found = _ROOT_HASH, 0, None
-        blocks = min(limit, len(tokens)) // self.block_tokens
-        for index in range(blocks):
-            block = tokens[index * self.block_tokens : (index + 1) * self.block_tokens]
-            key = chain_hash(key, block)
+        matched, found = 0, None
+        for index, (block, key) in enumerate(block_hashes(tokens[: min(limit, len(tokens))], self.block_tokens)):
             entry = self._index.get(key)
             if entry is None:
                 break

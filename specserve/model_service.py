@@ -88,6 +88,7 @@ class ModelServicer:
             eos_token_ids=ckpt.eos_token_ids, max_context=ckpt.max_context,
             tokenizer_json=ckpt.tokenizer_json(), vocab_fingerprint=ckpt.vocab_fingerprint(),
             attention=runtime.attention, dtype=str(runtime.decoder.dtype).removeprefix("torch."),
+            prefix_block_tokens=runtime.prefix_cache.block_tokens if runtime.prefix_cache is not None else 0,
         )
 
     @grpc_errors

@@ -57,6 +57,9 @@ def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
                         help="bound on prompt + max_new_tokens summed over the batch's sequences (0 = none)")
     parser.add_argument("--auth-token-file", help="file holding the bearer token clients must send")
     parser.add_argument("--max-queue", type=int, default=256, help="waiting requests before RESOURCE_EXHAUSTED")
+    parser.add_argument("--prefix-affinity-slack", type=int, default=16,
+                        help="when the targets cache prefixes, route a request to the replica holding its prefix "
+                             "if that replica's load is within this many sequences of the least loaded one")
     parser.add_argument("--draft-len", type=int, default=4, help="initial draft length k")
     parser.add_argument("--max-draft-len", type=int, default=8, help="upper bound of the adaptive draft length")
     parser.add_argument("--fixed-draft-len", action="store_true", help="keep k = --draft-len every round")

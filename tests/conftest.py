@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -68,10 +68,11 @@ def coordinator_stub(address: str) -> coordinator_pb2_grpc.CoordinatorStub:
 
 
 @contextmanager
-def target_replicas(model: Path, log_dir: Path, count: int, *coordinator_args: str
-                    ) -> Iterator[tuple[list[ServerProcess], ServerProcess]]:
-    """``count`` target replicas of ``model`` behind one coordinator (static endpoint list), stopped on exit."""
-    targets = [ServerProcess("target", free_port(), ["--model", str(model)], log_dir / f"t{i}.log")
+def target_replicas(model: Path, log_dir: Path, count: int, *coordinator_args: str,
+                    target_args: Sequence[str] = ()) -> Iterator[tuple[list[ServerProcess], ServerProcess]]:
+    """``count`` target replicas of ``model`` (each given ``target_args``) behind one coordinator (static
+    endpoint list), stopped on exit."""
+    targets = [ServerProcess("target", free_port(), ["--model", str(model), *target_args], log_dir / f"t{i}.log")
                for i in range(count)]
     coordinator = ServerProcess("coordinator", free_port(),
                                 ["--target", ",".join(t.address for t in targets), *coordinator_args],

@@ -17,6 +17,7 @@ from conftest import coordinator_stub, target_replicas
 from kubernetes import client
 
 from coordinator.discovery import DNSDiscovery, KubernetesDiscovery, StaticDiscovery, parse_endpoint_spec
+from coordinator.prefix_affinity import PrefixAffinity
 from specserve.v1 import coordinator_pb2, model_pb2, model_pb2_grpc
 
 
@@ -98,3 +99,43 @@ def test_batches_balance_across_target_replicas(checkpoints, tmp_path):
             outputs = [list(f.result().completions[0].token_ids) for f in futures]
         assert seen == [2, 2], "each replica should have run one of the two batches"
         assert outputs[0] == outputs[1]
+
+
+def test_prefix_affinity_remembers_leading_blocks_and_forgets_oldest():
+    affinity = PrefixAffinity(block_tokens=4, max_blocks=3)
+    shared, other = affinity.keys(range(12)), affinity.keys([*range(8), 99, 98, 97, 96, 5])
+    assert len(shared) == 3 and shared[:2] == other[:2] and shared[2] != other[2]
+    affinity.record("a", shared)
+    assert affinity.matched_blocks("a", other) == 2 and affinity.matched_blocks("b", shared) == 0
+    affinity.record("a", affinity.keys([7] * 4))  # the bound drops the least recently routed block
+    assert affinity.matched_blocks("a", shared) == 0
+    affinity.forget("a")
+    assert affinity.matched_blocks("a", affinity.keys([7] * 4)) == 0
+
+
+def test_requests_sharing_a_prefix_go_to_the_replica_that_caches_it(checkpoints, tmp_path):
+    """With prefix caches on the targets, a request whose prompt begins like a running one joins that
+    replica (within the load slack) instead of the idle one; an unrelated prompt goes to the idle one."""
+    shared = list(range(40, 80))  # two 16-token blocks
+    with target_replicas(checkpoints["llama"], tmp_path, 2,
+                         target_args=["--prefix-cache-mb", "16"]) as (targets, coordinator):
+        stub = coordinator_stub(coordinator.address)
+
+        def cache_stats() -> list[model_pb2.ModelStats]:
+            return [model_pb2_grpc.TargetModelStub(grpc.insecure_channel(t.address)).Stats(
+                model_pb2.StatsRequest(), timeout=10) for t in targets]
+
+        long_running = stub.GenerateStream(coordinator_pb2.GenerateRequest(
+            prompt_token_ids=shared, n=2, max_new_tokens=400, ignore_eos=True), timeout=300)
+        next(long_running)
+        busy = next(i for i, s in enumerate(cache_stats()) if s.prefix_cache_lookup_tokens)
+        joined = stub.Generate(coordinator_pb2.GenerateRequest(
+            prompt_token_ids=[*shared, 5, 6], n=2, max_new_tokens=4, ignore_eos=True), timeout=300)
+        assert joined.usage.cached_prompt_tokens == 32
+        unrelated = stub.Generate(coordinator_pb2.GenerateRequest(
+            prompt_token_ids=list(range(100, 140)), n=2, max_new_tokens=4, ignore_eos=True), timeout=300)
+        assert unrelated.usage.cached_prompt_tokens == 0
+        stats = cache_stats()
+        assert stats[busy].prefix_cache_hit_tokens == 32 and stats[busy].prefix_cache_lookup_tokens == 40 + 42
+        assert stats[1 - busy].prefix_cache_lookup_tokens == 40, "the unrelated prompt should go to the idle replica"
+        long_running.cancel()

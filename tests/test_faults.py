@@ -161,7 +161,8 @@ def test_request_retried_on_another_target_replica(checkpoints, tmp_path):
 
 def test_prefix_cache_over_grpc_hits_stays_exact_and_unpins_on_cancel(checkpoints, tmp_path):
     """Both services with --prefix-cache-mb: a second request with the same long prompt is served from the
-    cache (Stats and the response's Usage count the hit tokens) with HF-greedy output, and a cancelled stream leaves no reference."""
+    cache (Stats and the response's Usage count the hit tokens) with HF-greedy output, and a cancelled
+    stream leaves no reference."""
     prompt = list(range(40, 80))  # 40 tokens: two 16-token blocks can be cached
     request = coordinator_pb2.GenerateRequest(prompt_token_ids=prompt, n=3, max_new_tokens=12, ignore_eos=True)
     with Deployment(str(checkpoints["llama"]), str(checkpoints["llama_draft"]), log_dir=tmp_path,

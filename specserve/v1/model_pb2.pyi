@@ -11,7 +11,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "eos_token_ids", "max_context", "tokenizer_json", "vocab_fingerprint", "attention", "dtype")
+    __slots__ = ("model_name", "architecture", "vocab_size", "eos_token_ids", "max_context", "tokenizer_json", "vocab_fingerprint", "attention", "dtype", "prefix_block_tokens")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class ModelInfo(_message.Message):
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -30,7 +31,8 @@ class ModelInfo(_message.Message):
     vocab_fingerprint: str
     attention: str
     dtype: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., vocab_fingerprint: _Optional[str] = ..., attention: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    prefix_block_tokens: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., vocab_fingerprint: _Optional[str] = ..., attention: _Optional[str] = ..., dtype: _Optional[str] = ..., prefix_block_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")
