@@ -38,6 +38,11 @@ RETRYABLE_PREFILL = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEE
 CLIENT_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
+def _status_code(error: BaseException) -> grpc.StatusCode:
+    """The gRPC status of a failed model call (INTERNAL for anything that is not an RPC error)."""
+    return error.code() if isinstance(error, grpc.aio.AioRpcError) else grpc.StatusCode.INTERNAL
+
+
 class QueueFull(RuntimeError):
     """The waiting queue is at its bound; the client should retry later."""
 
@@ -214,8 +219,12 @@ class Scheduler:
         target_result, *draft_result = await asyncio.gather(*calls, return_exceptions=True)
         if isinstance(target_result, BaseException):
             span.set_status(telemetry.error_status(target_result))
+            cleanup = []
             if draft_result and not isinstance(draft_result[0], BaseException):
-                await self._release_quietly(draft, ids)
+                cleanup.append(self._release_quietly(draft, ids))
+            if _status_code(target_result) not in CLIENT_ERRORS:  # it may have run there after all
+                cleanup.append(self._release_quietly(self.target, ids))
+            await asyncio.gather(*cleanup)
             self._prefill_failed(request, target_result)
             return
         span.set_attribute("specserve.kv_bytes", target_result.kv_bytes)
@@ -238,7 +247,7 @@ class Scheduler:
             request.complete()
 
     def _prefill_failed(self, request: Request, error: BaseException) -> None:
-        code = error.code() if isinstance(error, grpc.aio.AioRpcError) else grpc.StatusCode.INTERNAL
+        code = _status_code(error)
         if request.done.is_set():
             return
         if code in CLIENT_ERRORS:

@@ -213,10 +213,15 @@ class ModelRuntime:
         with self.lock:
             batch = self.batches.get(batch_id)
             live = batch.ids() if batch else set()
+            live_groups = set(self._reserved.get(batch_id, {}))
             seen: set[int] = set()
             for group in groups:
                 self._validate_group(group, live | seen)
+                if group.group_id in live_groups:
+                    raise InvalidInput(f"group {group.group_id} is already live in batch {batch_id!r}; "
+                                       "group ids must be distinct")
                 seen.update(group.sequence_ids)
+                live_groups.add(group.group_id)
             planned: dict[int, PrefixHit] = {}
             try:
                 if self.prefix_cache is not None:

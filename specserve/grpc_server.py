@@ -24,7 +24,12 @@ CHANNEL_OPTIONS = [
 ]
 
 # Exceptions of the runtime and the gRPC status each becomes.
+class CallerGone(RuntimeError):
+    """The caller cancelled or its deadline passed before the work was done; nothing was kept."""
+
+
 STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (CallerGone, grpc.StatusCode.DEADLINE_EXCEEDED),
     (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownBatch, grpc.StatusCode.NOT_FOUND),
     (KVBudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -18,11 +18,11 @@ from engine.checkpoint import load_checkpoint
 from engine.device import resolve_device
 from engine.errors import ModelLoading
 from engine.graphs import graphs_supported
-from engine.runtime import ModelRuntime
+from engine.runtime import ModelRuntime, Prefilled
 from engine.sampling import SamplingParams
 from kernels import backend_for_device
 from specserve import telemetry
-from specserve.grpc_server import create_server, grpc_errors, set_serving
+from specserve.grpc_server import CallerGone, create_server, grpc_errors, set_serving
 from specserve.metrics import CallMetricsInterceptor, ModelMetrics, start_metrics_server
 from specserve.tls import TLSFiles
 from specserve.v1 import model_pb2
@@ -101,8 +101,7 @@ class ModelServicer:
                       "specserve.prompt_tokens": sum(len(g.prompt_token_ids) for g in request.groups)}
         with telemetry.server_span(f"{runtime.role}.prefill", context, attributes) as span, \
                 self.metrics.forward.labels("prefill").time():
-            done = self.on_compute_thread(runtime.prefill, request.batch_id,
-                                          [group_from_proto(g) for g in request.groups])
+            done = self.on_compute_thread(prefill_for_caller, runtime, request, context)
             kv_bytes = runtime.kv_bytes_in_use()
             span.set_attribute("specserve.kv_bytes", kv_bytes)
             span.set_attribute("specserve.cached_prompt_tokens", sum(done.cached_tokens.values()))
@@ -124,6 +123,20 @@ class ModelServicer:
         runtime: ModelRuntime = self._ready(context)
         released = self.on_compute_thread(runtime.release, request.batch_id, list(request.sequence_ids))
         return model_pb2.ReleaseResponse(released_sequences=released)
+
+
+def prefill_for_caller(runtime: ModelRuntime, request: model_pb2.PrefillRequest, context: grpc.ServicerContext
+                       ) -> Prefilled:
+    """Prefill ``request`` unless its caller has gone (deadline passed or cancelled) by the time the compute
+    thread gets to it; if the caller goes while it runs, release its sequences again. Raises CallerGone when
+    nothing was kept, so a batch never holds sequences its coordinator was told had failed."""
+    if not context.is_active():
+        raise CallerGone("the caller gave up before the prefill ran; nothing was kept")
+    done = runtime.prefill(request.batch_id, [group_from_proto(g) for g in request.groups])
+    if not context.is_active():
+        runtime.release(request.batch_id, [sid for g in request.groups for sid in g.sequence_ids])
+        raise CallerGone("the caller gave up while the prefill ran; its sequences were released")
+    return done
 
 
 def runtime_options(args: Any) -> tuple[torch.device, dict[str, Any]]:

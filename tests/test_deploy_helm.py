@@ -200,6 +200,7 @@ def test_model_args_parse(default_objects: list[dict[str, Any]], component: str)
     assert args.metrics_port == 9464
     assert (args.device, args.dtype, args.attention, args.attention_backend, args.cuda_graphs) == (
         "cpu", "float32", "bifurcated", "torch", "auto")
+    assert (args.kv_budget_mb, args.prefix_cache_mb) == (0, 0)
     mount = next(m for m in main["volumeMounts"] if m["name"] == "models")
     assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
     volume = next(v for v in deployment(default_objects, component)["spec"]["template"]["spec"]["volumes"]
@@ -223,7 +224,7 @@ def test_coordinator_discovers_replicas_through_endpointslices(default_objects: 
     # the settings come from the ConfigMap
     assert (args.max_n, args.max_batch_sequences, args.max_queue) == (64, 64, 256)
     assert (args.draft_len, args.max_draft_len, args.fixed_draft_len) == (4, 8, False)
-    assert args.max_batch_tokens == 0
+    assert args.max_batch_tokens == 0 and args.prefix_affinity_slack == 16
     assert args.auth_token_file is None and args.tls_cert is None
     discovery = pytest.importorskip("coordinator.discovery")
     assert type(discovery.parse_endpoint_spec(args.target)).__name__ == "KubernetesDiscovery"
@@ -322,6 +323,7 @@ def test_gpu_values(gpu_objects: list[dict[str, Any]], component: str) -> None:
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     args = parse_cli(expanded_args(gpu_objects, main), f"the {component} Deployment (GPU values)")
     assert (args.device, args.dtype, args.attention_backend) == ("cuda", "bfloat16", "triton")
+    assert args.prefix_cache_mb == {"draft": 2048, "target": 16384}[component]
     assert args.model.startswith("/models/llama-")
     assert deployment(gpu_objects, component)["spec"]["replicas"] == 2
     assert "nvidia.com/gpu" not in container(gpu_objects, "coordinator")["resources"].get("limits", {})

@@ -13,7 +13,8 @@ from conftest import coordinator_stub, target_replicas
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hf_oracle import greedy
 
-from specserve.processes import Deployment, ServerProcess
+from specserve.bench.synthetic import LlamaShape, save_synthetic_llama
+from specserve.processes import Deployment, ServerProcess, free_port
 from specserve.v1 import coordinator_pb2, model_pb2, model_pb2_grpc
 
 PROMPT = [7, 21, 9, 30, 11]
@@ -185,3 +186,68 @@ def test_prefix_cache_over_grpc_hits_stays_exact_and_unpins_on_cancel(checkpoint
         stream.cancel()
         wait_released(running)
         assert all(stats(running.servers[r]).prefix_cache_refs == 0 for r in ("draft", "target"))
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory):
+    """A synthetic Llama (hidden 512, 4 layers) whose 4K-token prefill takes seconds on a CPU."""
+    return save_synthetic_llama(tmp_path_factory.mktemp("slow") / "model", LlamaShape(max_positions=8192))
+
+
+def slow_prompt(seed: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 40000 + 100 for i in range(4096)]
+
+
+def test_a_prefill_whose_caller_gave_up_leaves_nothing_behind(slow_model, tmp_path):
+    """A Prefill that outlives its deadline, running or still queued behind another, keeps no sequence: the
+    same ids can be prefilled again, and only the prefill whose caller waited is held."""
+    server = ServerProcess("target", free_port(), ["--model", str(slow_model)], tmp_path / "target.log").start()
+    try:
+        server.wait_serving()
+        stub = model_pb2_grpc.TargetModelStub(grpc.insecure_channel(server.address))
+
+        def prefill(group: int, timeout: float, tokens: list[int]) -> model_pb2.PrefillResponse:
+            spec = model_pb2.GroupSpec(group_id=group, prompt_token_ids=tokens, sequence_ids=[group],
+                                       max_new_tokens=4, sampling=model_pb2.SamplingParams(top_p=1.0))
+            return stub.Prefill(model_pb2.PrefillRequest(batch_id="b", groups=[spec]), timeout=timeout)
+
+        with pytest.raises(grpc.RpcError) as raised:  # gives up while its prefill runs
+            prefill(1, 0.3, slow_prompt(1))
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        waited = threading.Thread(target=prefill, args=(2, 120.0, slow_prompt(2)))
+        waited.start()
+        time.sleep(0.2)
+        with pytest.raises(grpc.RpcError) as raised:  # gives up while queued behind group 2
+            prefill(3, 0.3, slow_prompt(3))
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        waited.join()
+        for group in (1, 3):  # not "already live": nothing of the abandoned prefills was kept
+            assert len(prefill(group, 120.0, [5, 6, 7]).first_tokens) == 1
+        assert stats(server).sequences == 3
+    finally:
+        server.stop()
+
+
+def test_prefills_that_time_out_at_the_coordinator_are_retried_without_failing_the_batch(slow_model, tmp_path):
+    """Concurrent long prompts queue on the target's compute thread past --model-timeout: the timed-out
+    prefills are released on the target and retried, and every request completes."""
+    with Deployment(str(slow_model), None, coordinator_args=["--model-timeout", "3"], log_dir=tmp_path) as running:
+        stub = coordinator_stub(running.coordinator_address)
+        requests = [coordinator_pb2.GenerateRequest(prompt_token_ids=slow_prompt(i), n=2, max_new_tokens=4,
+                                                    ignore_eos=True) for i in range(4)]
+        results: list[object] = [None] * len(requests)
+
+        def send(index: int) -> None:
+            try:
+                results[index] = stub.Generate(requests[index], timeout=300)
+            except grpc.RpcError as error:
+                results[index] = error
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(requests))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert all(isinstance(r, coordinator_pb2.GenerateResponse) for r in results), results
+        assert all(len(c.token_ids) == 4 for r in results for c in r.completions)
+        assert "failed a prefill (DEADLINE_EXCEEDED)" in (tmp_path / "coordinator.log").read_text()

@@ -9,6 +9,7 @@ from hf_oracle import greedy
 
 from engine.batch import GroupInput
 from engine.checkpoint import load_checkpoint
+from engine.errors import InvalidInput
 from engine.prefix_cache import PrefixCache, PrefixHit
 from engine.sampling import SamplingParams
 from engine.target import TargetRuntime
@@ -164,3 +165,23 @@ def test_eviction_under_a_small_budget_while_requests_run(checkpoints):
     for batch_id in list(live):
         runtime.release(batch_id)
     assert runtime.stats()["prefix_cache_refs"] == 0
+
+
+def test_a_live_group_id_cannot_be_prefilled_again(checkpoints):
+    """A group id is its reservation's and its span pin's key in a batch: reusing a live one is refused with
+    nothing changed, and allowed again once the group is released."""
+    runtime = TargetRuntime(load_checkpoint(checkpoints["llama"]), prefix_cache_bytes=1 << 24,
+                            prefix_block_tokens=BLOCK)
+    prompt = [40 + i for i in range(20)]
+    runtime.prefill("b", [GroupInput(1, prompt, [10, 11], SamplingParams(), 8)])
+    before = runtime.stats()
+    def group(group_id: int, sequence_id: int) -> GroupInput:
+        return GroupInput(group_id, prompt, [sequence_id], SamplingParams(), 8)
+
+    for groups in ([group(1, 12)], [group(2, 13), group(2, 14)]):
+        with pytest.raises(InvalidInput, match="already live"):
+            runtime.prefill("b", groups)
+        assert runtime.stats() == before
+    runtime.release("b", [10, 11])
+    assert runtime.stats()["prefix_cache_refs"] == 0
+    assert list(runtime.prefill("b", [group(1, 12)]).first_tokens) == [12]

@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "e2e": ("specserve.bench.e2e", "end-to-end generation: batched, HF generate/assisted, BASS, BASS over gRPC"),
     "tracing": ("specserve.bench.tracing", "request latency with span export on vs off"),
     "load": ("specserve.bench.load", "concurrent streaming clients against a live deployment"),
+    "prefix": ("specserve.bench.prefix", "requests sharing a long system prompt: prefix cache on vs off, TTFT"),
 }
 
 

@@ -46,6 +46,7 @@ class Observation:
     gaps_s: list[float]
     tokens: dict[int, list[int]]
     code: str = "OK"
+    cached_prompt_tokens: int = 0  # from the stream's final Usage
 
 
 @dataclass
@@ -72,15 +73,17 @@ class LoadResult:
 
 def stream_one(stub: coordinator_pb2_grpc.CoordinatorStub, request: coordinator_pb2.GenerateRequest,
                timeout_s: float) -> Observation:
-    """Send one streaming request and time its chunks."""
+    """Send one streaming request and time its chunks (an RPC error is recorded in ``code``, not raised)."""
     start = time.perf_counter()
     first = 0.0
     last: dict[int, float] = {}
     gaps: list[float] = []
     tokens: dict[int, list[int]] = {}
+    cached = 0
     try:
         for chunk in stub.GenerateStream(request, timeout=timeout_s):
             now = time.perf_counter()
+            cached = max(cached, chunk.usage.cached_prompt_tokens)
             if chunk.token_ids:
                 first = first or now - start
                 if chunk.index in last:
@@ -88,8 +91,8 @@ def stream_one(stub: coordinator_pb2_grpc.CoordinatorStub, request: coordinator_
                 last[chunk.index] = now
                 tokens.setdefault(chunk.index, []).extend(chunk.token_ids)
     except grpc.RpcError as error:
-        return Observation(time.perf_counter() - start, first, gaps, tokens, error.code().name)
-    return Observation(time.perf_counter() - start, first, gaps, tokens)
+        return Observation(time.perf_counter() - start, first, gaps, tokens, error.code().name, cached)
+    return Observation(time.perf_counter() - start, first, gaps, tokens, cached_prompt_tokens=cached)
 
 
 def run_load(address: str, requests: list[coordinator_pb2.GenerateRequest], clients: int,

@@ -52,6 +52,8 @@ spec:
             - {{ $values.cudaGraphs | quote }}
             - --kv-budget-mb
             - {{ $values.kvBudgetMb | toString | quote }}
+            - --prefix-cache-mb
+            - {{ $values.prefixCacheMb | toString | quote }}
             - --session-ttl
             - {{ $values.sessionTtl | toString | quote }}
             {{- range $values.extraArgs }}
