@@ -8,7 +8,8 @@ for all the rows below it. The parts are combined with the running merge
     lse = log(e^lse_a + e^lse_b),  o = (e^lse_a o_a + e^lse_b o_b) / e^lse
 
 which is exact in any order. A level's part is computed by the backend's context function (PyTorch or
-Triton), the decode part by its decode function.
+Triton), the decode part by its decode function. Levels that reach disjoint rows (the per-request
+branches of one tree depth) form a tier whose parts are merged into the running state in one step.
 """
 
 from __future__ import annotations
@@ -49,12 +50,43 @@ def cascade_attention(q: torch.Tensor, levels: Sequence[ContextLevel], decode_k:
     ``j < min(decode_base[b] + i + 1, decode_lens[b])``. Equal (up to rounding) to softmax attention over
     the concatenation of those keys; no level is copied per row. Returns [B, Hq, W, D] in q's dtype."""
     o, lse = decode(q, decode_k, decode_v, decode_base, decode_lens, scale)
-    for level in levels:
-        lo, hi = level.row_lo, level.row_hi
-        o_level, lse_level = context(q[lo:hi], level.k, level.v, list(level.prefix_offsets),
-                                     list(level.group_offsets), scale)
-        o[lo:hi], lse[lo:hi] = merge_states(o[lo:hi], lse[lo:hi], o_level, lse_level)
+    for tier in disjoint_tiers(levels):
+        lo, hi = tier[0].row_lo, tier[-1].row_hi
+        if len(tier) == 1:
+            o_tier, lse_tier = _context_part(q, tier[0], context, scale)
+        else:  # one merge for the whole tier; rows no level of it reaches get lse = -inf (weight 0)
+            o_tier = torch.empty((hi - lo, *q.shape[1:]), dtype=torch.float32, device=q.device)
+            lse_tier = torch.empty((hi - lo, *q.shape[1:3]), dtype=torch.float32, device=q.device)
+            covered = lo
+            for level in tier:
+                if level.row_lo > covered:
+                    o_tier[covered - lo:level.row_lo - lo] = 0.0
+                    lse_tier[covered - lo:level.row_lo - lo] = float("-inf")
+                rows = slice(level.row_lo - lo, level.row_hi - lo)
+                o_tier[rows], lse_tier[rows] = _context_part(q, level, context, scale)
+                covered = level.row_hi
+        o[lo:hi], lse[lo:hi] = merge_states(o[lo:hi], lse[lo:hi], o_tier, lse_tier)
     return o.to(q.dtype)
+
+
+def _context_part(q: torch.Tensor, level: ContextLevel, context: ContextFn, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    return context(q[level.row_lo:level.row_hi], level.k, level.v, list(level.prefix_offsets),
+                   list(level.group_offsets), scale)
+
+
+def disjoint_tiers(levels: Sequence[ContextLevel]) -> list[list[ContextLevel]]:
+    """The levels in tiers, each sorted by row, no two levels of a tier reaching the same row (first fit by
+    first row), so a tier is merged into the running state once: a tree of shared spans needs one tier
+    per depth, however many requests branch off it."""
+    tiers: list[list[ContextLevel]] = []
+    for level in sorted(levels, key=lambda lv: (lv.row_lo, -lv.row_hi)):
+        tier = next((t for t in tiers if t[-1].row_hi <= level.row_lo), None)
+        if tier is None:
+            tiers.append([level])
+        else:
+            tier.append(level)
+    return tiers
 
 
 def contiguous_runs(rows: Sequence[int]) -> list[tuple[int, int]]:

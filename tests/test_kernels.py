@@ -20,7 +20,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels import ATTENTION_BACKENDS, get_bifurcated_attention  # noqa: E402
+from kernels import ATTENTION_BACKENDS, get_attention_parts, get_bifurcated_attention  # noqa: E402
 from kernels.bifurcated import (  # noqa: E402
     bifurcated_attention,
     context_attention,
@@ -28,6 +28,7 @@ from kernels.bifurcated import (  # noqa: E402
     kv_cache_bytes,
     merge_attention_states,
 )
+from kernels.cascade import ContextLevel, cascade_attention, disjoint_tiers  # noqa: E402
 from kernels.standard import expand_bifurcated_kv, standard_attention  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -337,3 +338,69 @@ def test_bench_attention_and_decode_smoke(tmp_path, capsys) -> None:
     assert [p["samples"] for p in res["points"]] == [1, 2]
     assert all(p["max_abs_logit_err"] < 1e-4 for p in res["points"])
     assert plot.stat().st_size > 0
+
+
+# ------------------------------------------------------------------------------- cascade (prefix cache tree)
+
+
+def cascade_case(device: str) -> tuple[torch.Tensor, list[ContextLevel], torch.Tensor, torch.Tensor, torch.Tensor,
+                                       torch.Tensor]:
+    """Seven rows under a tree: a root span read by all, a branch span by rows 0-2, another by row 6, two
+    groups' own prompt tails (rows 3 and 4); row 5 reads the root only. GQA 2 x 2, window 2."""
+    gen = torch.Generator().manual_seed(11)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device)
+
+    hkv, hq, window, dim, rows, capacity = 2, 4, 2, 16, 7, 5
+    levels = [ContextLevel(rnd(hkv, 9, dim), rnd(hkv, 9, dim), (0, 9), (0, rows), 0),
+              ContextLevel(rnd(hkv, 5, dim), rnd(hkv, 5, dim), (0, 5), (0, 3), 0),
+              ContextLevel(rnd(hkv, 6, dim), rnd(hkv, 6, dim), (0, 4, 6), (0, 1, 2), 3),
+              ContextLevel(rnd(hkv, 3, dim), rnd(hkv, 3, dim), (0, 3), (0, 1), 6)]
+    base = torch.tensor([0, 1, 3, 0, 2, 1, 0], device=device)
+    lens = torch.tensor([2, 3, 5, 1, 4, 3, 2], device=device)
+    return rnd(rows, hq, window, dim), levels, rnd(rows, hkv, capacity, dim), rnd(rows, hkv, capacity, dim), base, lens
+
+
+def cascade_reference(q: torch.Tensor, levels: list[ContextLevel], decode_k: torch.Tensor, decode_v: torch.Tensor,
+                      base: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Oracle: per row, SDPA over the concatenation of every level segment reaching it and its decode keys."""
+    rows, hq, window, _ = q.shape
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for b in range(rows):
+        segments = []
+        for level in levels:
+            for g in range(len(level.group_offsets) - 1):
+                if level.row_lo + level.group_offsets[g] <= b < level.row_lo + level.group_offsets[g + 1]:
+                    lo, hi = level.prefix_offsets[g], level.prefix_offsets[g + 1]
+                    segments.append((level.k[:, lo:hi], level.v[:, lo:hi]))
+        dec = int(lens[b])
+        k = torch.cat([s[0] for s in segments] + [decode_k[b, :, :dec]], dim=1).float().cpu()
+        v = torch.cat([s[1] for s in segments] + [decode_v[b, :, :dec]], dim=1).float().cpu()
+        context = k.shape[1] - dec
+        mask = torch.ones(window, k.shape[1], dtype=torch.bool)
+        for i in range(window):
+            mask[i, context + min(int(base[b]) + i + 1, dec):] = False
+        out[b] = F.scaled_dot_product_attention(q[b].float().cpu(), k.repeat_interleave(hq // k.shape[0], dim=0),
+                                                v.repeat_interleave(hq // k.shape[0], dim=0), attn_mask=mask,
+                                                scale=scale)
+    return out
+
+
+def test_cascade_tiers_never_share_a_row() -> None:
+    _, levels, *_ = cascade_case("cpu")
+    tiers = disjoint_tiers(levels)
+    assert [[(lv.row_lo, lv.row_hi) for lv in tier] for tier in tiers] == [[(0, 7)], [(0, 3), (3, 5), (6, 7)]]
+
+
+def test_cascade_torch_matches_sdpa() -> None:
+    q, levels, dk, dv, base, lens = cascade_case("cpu")
+    out = cascade_attention(q, levels, dk, dv, base, lens, 0.25, *get_attention_parts("torch"))
+    assert_close(out, cascade_reference(q, levels, dk, dv, base, lens, 0.25), torch.float32)
+
+
+def test_triton_cascade_matches_sdpa() -> None:
+    _triton_module()
+    q, levels, dk, dv, base, lens = cascade_case(TRITON_DEVICE)
+    out = cascade_attention(q, levels, dk, dv, base, lens, 0.25, *get_attention_parts("triton"))
+    assert_close(out, cascade_reference(q, levels, dk, dv, base, lens, 0.25), torch.float32)
