@@ -32,13 +32,13 @@ def test_synthetic_llama_loads_with_the_default_vocabulary(tmp_path):
 
 def test_bench_prefix_reports_hits_from_the_cache(tmp_path):
     out = tmp_path / "prefix.json"
-    status = main(["bench", "prefix", "--system-tokens", "64,128", "--requests", "2", "--n", "2",
+    status = main(["bench", "prefix", "--system-tokens", "64", "--requests", "2", "--n", "2",
                    "--question-tokens", "8", "--max-new-tokens", "3", "--repeats", "1", "--hidden", "64",
                    "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
                    "--json", str(out), "--plot", str(tmp_path / "prefix.png")])
     assert status == 0
     result = json.loads(out.read_text())
-    assert [row["system_tokens"] for row in result["rows"]] == [64, 128]
+    assert [row["system_tokens"] for row in result["rows"]] == [64]
     for row in result["rows"]:
         assert row["tokens_per_s_on"] > 0 and row["tokens_per_s_off"] > 0
         assert row["ttft_hit_s_on"] > 0 and 0 <= row["identical_outputs"] <= 1

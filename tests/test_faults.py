@@ -13,6 +13,10 @@ from conftest import coordinator_stub, target_replicas
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hf_oracle import greedy
 
+from engine.batch import GroupInput
+from engine.checkpoint import load_checkpoint
+from engine.sampling import SamplingParams
+from engine.target import TargetRuntime
 from specserve.bench.synthetic import LlamaShape, save_synthetic_llama
 from specserve.processes import Deployment, ServerProcess, free_port
 from specserve.v1 import coordinator_pb2, model_pb2, model_pb2_grpc
@@ -230,8 +234,14 @@ def test_a_prefill_whose_caller_gave_up_leaves_nothing_behind(slow_model, tmp_pa
 
 def test_prefills_that_time_out_at_the_coordinator_are_retried_without_failing_the_batch(slow_model, tmp_path):
     """Concurrent long prompts queue on the target's compute thread past --model-timeout: the timed-out
-    prefills are released on the target and retried, and every request completes."""
-    with Deployment(str(slow_model), None, coordinator_args=["--model-timeout", "3"], log_dir=tmp_path) as running:
+    prefills are released on the target and retried, and every request completes. The timeout is twice one
+    prefill as measured here, so one prefill always fits and the fourth queued one never does."""
+    runtime = TargetRuntime(load_checkpoint(slow_model))
+    start = time.perf_counter()
+    runtime.prefill("probe", [GroupInput(0, slow_prompt(9), [0, 1], SamplingParams(), 4)])
+    timeout = 2 * (time.perf_counter() - start)
+    with Deployment(str(slow_model), None, coordinator_args=["--model-timeout", f"{timeout:.2f}"],
+                    log_dir=tmp_path) as running:
         stub = coordinator_stub(running.coordinator_address)
         requests = [coordinator_pb2.GenerateRequest(prompt_token_ids=slow_prompt(i), n=2, max_new_tokens=4,
                                                     ignore_eos=True) for i in range(4)]
