@@ -142,7 +142,7 @@ class ModelRuntime:
         batch.touch()
         return batch
 
-    def _validate_group(self, group: GroupInput, live: set[int]) -> None:
+    def _validate_group(self, group: GroupInput, live: set[int], live_groups: set[int]) -> None:
         vocab = self.checkpoint.vocab_size
         if not group.prompt_token_ids:
             raise InvalidInput(f"group {group.group_id}: prompt_token_ids is empty")
@@ -155,6 +155,8 @@ class ModelRuntime:
         if live & set(group.sequence_ids):
             taken = sorted(live & set(group.sequence_ids))[:5]
             raise InvalidInput(f"group {group.group_id}: sequence ids {taken} are already live")
+        if group.group_id in live_groups:
+            raise InvalidInput(f"group {group.group_id} is already live in this batch; group ids must be distinct")
         if group.max_new_tokens <= 0:
             raise InvalidInput(f"group {group.group_id}: max_new_tokens must be positive")
         total = len(group.prompt_token_ids) + group.max_new_tokens
@@ -214,13 +216,9 @@ class ModelRuntime:
             batch = self.batches.get(batch_id)
             live = batch.ids() if batch else set()
             live_groups = set(self._reserved.get(batch_id, {}))
-            seen: set[int] = set()
             for group in groups:
-                self._validate_group(group, live | seen)
-                if group.group_id in live_groups:
-                    raise InvalidInput(f"group {group.group_id} is already live in batch {batch_id!r}; "
-                                       "group ids must be distinct")
-                seen.update(group.sequence_ids)
+                self._validate_group(group, live, live_groups)
+                live.update(group.sequence_ids)
                 live_groups.add(group.group_id)
             planned: dict[int, PrefixHit] = {}
             try:
