@@ -36,6 +36,7 @@ class Request:
     finished_at: float | None = None
     streamed: bool = False
     attempts: int = 0
+    prefill_timeouts: int = 0  # prefills of this request that ran past their model timeout
     scheduler: Any = None  # the Scheduler the request is queued on or running in
     span: Any = None  # its coordinator.generate span (rounds link to it); None when not traced
     queue_span: Any = None  # its open coordinator.queue_wait span while it waits for a batch

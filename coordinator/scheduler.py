@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 
 RETRYABLE_PREFILL = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND)
 CLIENT_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# A prefill that times out is retried with twice the timeout, at most this many tries in all: long prompts
+# queued on the target's compute thread finish on a later try, and a --model-timeout shorter than one
+# prefill fails the request with a message naming the flag instead of retrying until the client's deadline.
+MAX_PREFILL_TRIES = 4
 
 
 def _status_code(error: BaseException) -> grpc.StatusCode:
@@ -196,6 +200,9 @@ class Scheduler:
             return limit
         return max(0.01, min(limit, request.deadline - time.monotonic()))
 
+    def _prefill_limit(self, request: Request) -> float:
+        return self.config.model_timeout_s * 2 ** request.prefill_timeouts
+
     async def _prefill(self, request: Request) -> None:
         span = telemetry.start_span("coordinator.prefill", parent=request.span, attributes={
             "specserve.batch_id": self.batch_id, "specserve.groups": 1, "specserve.sequences": request.spec.n,
@@ -209,7 +216,7 @@ class Scheduler:
         ids = [s.sequence_id for s in request.samples]
         prefill = model_pb2.PrefillRequest(batch_id=self.batch_id, groups=[self._group_spec(request, ids)])
         metadata = telemetry.inject_metadata(span)
-        calls = [self.target.stub.Prefill(prefill, timeout=self._timeout(request, self.config.model_timeout_s),
+        calls = [self.target.stub.Prefill(prefill, timeout=self._timeout(request, self._prefill_limit(request)),
                                           metadata=metadata)]
         draft = self.draft
         if draft is not None:
@@ -250,10 +257,20 @@ class Scheduler:
         code = _status_code(error)
         if request.done.is_set():
             return
+        client_gone = request.deadline is not None and time.monotonic() > request.deadline
         if code in CLIENT_ERRORS:
             request.complete((code, error.details() or code.name))
-        elif code in RETRYABLE_PREFILL and not (request.deadline and time.monotonic() > request.deadline):
+        elif code == grpc.StatusCode.DEADLINE_EXCEEDED and not client_gone \
+                and request.prefill_timeouts + 1 >= MAX_PREFILL_TRIES:
+            request.complete((code, (
+                f"target {self.target.address} did not finish the prefill of this {len(request.spec.prompt_token_ids)}"
+                f"-token prompt in {MAX_PREFILL_TRIES} tries (the last one waited {self._prefill_limit(request):g}s):"
+                f" raise the coordinator's --model-timeout ({self.config.model_timeout_s:g}s, doubled on each"
+                " retry) or send a shorter prompt")))
+        elif code in RETRYABLE_PREFILL and not client_gone:
             log.warning("target %s failed a prefill (%s); the request waits for it", self.target.address, code.name)
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                request.prefill_timeouts += 1
             self.target.healthy = False
             if not self.reroute(request, self):
                 self.enqueue(request, front=True)

@@ -63,7 +63,9 @@ def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-len", type=int, default=4, help="initial draft length k")
     parser.add_argument("--max-draft-len", type=int, default=8, help="upper bound of the adaptive draft length")
     parser.add_argument("--fixed-draft-len", action="store_true", help="keep k = --draft-len every round")
-    parser.add_argument("--model-timeout", type=float, default=60.0, help="deadline of target calls (s)")
+    parser.add_argument("--model-timeout", type=float, default=60.0,
+                        help="deadline of target calls (s); a timed-out prefill is retried with twice the deadline, "
+                             "4 tries in all")
     parser.add_argument("--draft-timeout", type=float, default=10.0,
                         help="deadline of draft calls (s); beyond it the batch continues on the target alone")
     parser.add_argument("--connect-timeout", type=float, default=300.0,

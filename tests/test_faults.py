@@ -235,7 +235,8 @@ def test_a_prefill_whose_caller_gave_up_leaves_nothing_behind(slow_model, tmp_pa
 def test_prefills_that_time_out_at_the_coordinator_are_retried_without_failing_the_batch(slow_model, tmp_path):
     """Concurrent long prompts queue on the target's compute thread past --model-timeout: the timed-out
     prefills are released on the target and retried, and every request completes. The timeout is twice one
-    prefill as measured here, so one prefill always fits and the fourth queued one never does."""
+    prefill as measured here, so the fourth queued prefill times out; each retry waits twice as long as the
+    try before, so the requests complete even where the service's prefills are slower than this probe."""
     runtime = TargetRuntime(load_checkpoint(slow_model))
     start = time.perf_counter()
     runtime.prefill("probe", [GroupInput(0, slow_prompt(9), [0, 1], SamplingParams(), 4)])
@@ -261,3 +262,24 @@ def test_prefills_that_time_out_at_the_coordinator_are_retried_without_failing_t
         assert all(isinstance(r, coordinator_pb2.GenerateResponse) for r in results), results
         assert all(len(c.token_ids) == 4 for r in results for c in r.completions)
         assert "failed a prefill (DEADLINE_EXCEEDED)" in (tmp_path / "coordinator.log").read_text()
+
+
+def test_a_model_timeout_shorter_than_one_prefill_fails_the_request_naming_the_flag(slow_model, tmp_path):
+    """--model-timeout far below one prefill (every try times out, even doubled): the request fails with
+    DEADLINE_EXCEEDED naming the flag instead of retrying until the client's deadline, and the target keeps
+    none of its sequences."""
+    with Deployment(str(slow_model), None, coordinator_args=["--model-timeout", "0.02"],
+                    log_dir=tmp_path) as running:
+        stub = coordinator_stub(running.coordinator_address)
+        request = coordinator_pb2.GenerateRequest(prompt_token_ids=slow_prompt(1), n=2, max_new_tokens=4)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Generate(request, timeout=300)
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "4096-token prompt in 4 tries" in raised.value.details()
+        assert "--model-timeout (0.02s, doubled on each retry)" in raised.value.details()
+        assert time.monotonic() - started < 120
+        deadline = time.monotonic() + 30
+        while stats(running.servers["target"]).sequences and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert stats(running.servers["target"]).sequences == 0
