@@ -116,29 +116,32 @@ class Router:
         healthy = [s for s in schedulers if s.target.healthy]
         return sorted(healthy or schedulers, key=lambda s: (s.load, s.target.address))
 
-    def _ranked(self, request: Request, exclude: Scheduler | None) -> tuple[list[Scheduler], list[int]]:
-        """Candidates in the order to try them, and the prompt's block keys (empty without affinity)."""
+    def _ranked(self, request: Request, exclude: Scheduler | None
+                ) -> tuple[list[tuple[Scheduler, int]], list[int]]:
+        """Candidates in the order to try them, each with the leading blocks of the prompt it is expected to
+        cache (0 beyond the load slack), and the prompt's block keys (both empty/0 without affinity)."""
         by_load = self._candidates(exclude)
         if self.affinity is None or not by_load:
-            return by_load, []
+            return [(s, 0) for s in by_load], []
         keys = self.affinity.keys(request.spec.prompt_token_ids)
         least = by_load[0].load
 
-        def rank(scheduler: Scheduler) -> tuple[int, int, str]:
+        def matched(scheduler: Scheduler) -> int:
             near = scheduler.load <= least + self.prefix_affinity_slack
-            matched = self.affinity.matched_blocks(scheduler.target.address, keys) if near else 0
-            return -matched, scheduler.load, scheduler.target.address
+            return self.affinity.matched_blocks(scheduler.target.address, keys) if near else 0
 
-        return sorted(by_load, key=rank), keys
+        ranked = [(s, matched(s)) for s in by_load]
+        return sorted(ranked, key=lambda c: (-c[1], c[0].load, c[0].target.address)), keys
 
     def _place(self, request: Request, exclude: Scheduler | None) -> Scheduler:
         ranked, keys = self._ranked(request, exclude)
-        for scheduler in ranked:
+        for scheduler, blocks in ranked:
             try:
                 scheduler.enqueue(request)
                 request.scheduler = scheduler
                 if self.affinity is not None:
                     self.affinity.record(scheduler.target.address, keys)
+                self.metrics.routed_to(blocks * self.affinity.block_tokens if self.affinity is not None else 0)
                 return scheduler
             except QueueFull:
                 continue

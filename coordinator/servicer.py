@@ -92,7 +92,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             call.code, call.message = grpc.StatusCode.UNKNOWN, f"{type(error).__name__}: {error}"
         job = call.job
         usage = job.usage if job is not None else None
-        self.router.metrics.request_done(call.code, usage.completion_tokens if usage else 0,
+        self.router.metrics.request_done(call.code, usage,
                                          job.timing() if job is not None and job.done.is_set() else None)
         if call.traced_span is None:
             return

@@ -34,6 +34,18 @@ class CoordinatorMetrics:
         self.accepted = Counter("specserve_draft_tokens_accepted", "draft tokens the target accepted", registry=r)
         self.generated = Counter("specserve_generated_tokens", "completion tokens generated (all samples)",
                                  registry=r)
+        self.prompt_tokens = Counter("specserve_prompt_tokens", "prompt tokens of the requests answered OK",
+                                     registry=r)
+        self.cached_prompt_tokens = Counter("specserve_cached_prompt_tokens",
+                                            "prompt tokens of the requests answered OK whose KV a target found in "
+                                            "its prefix cache", registry=r)
+        self.routed = Counter("specserve_routed_requests",
+                              "requests placed on a target replica, by reason: prefix (the replica was sent a "
+                              "leading block of the prompt before) or least_loaded", ["reason"], registry=r)
+        self.routed_prefix_tokens = Counter("specserve_routed_prefix_tokens",
+                                            "prompt tokens the router expected the chosen replica to hold in its "
+                                            "prefix cache (an estimate; compare specserve_cached_prompt_tokens)",
+                                            registry=r)
         self.acceptance_rate = Gauge("specserve_acceptance_rate",
                                      "cumulative draft acceptance: accepted / proposed tokens", registry=r)
         self._proposed_total = self._accepted_total = 0
@@ -68,13 +80,22 @@ class CoordinatorMetrics:
             self._proposed_total += proposed
             self._accepted_total += accepted
 
-    def request_done(self, code: grpc.StatusCode, completion_tokens: int = 0, timing: Any = None) -> None:
-        """Account a finished call: its status, the tokens it generated and (when OK) its latencies."""
+    def routed_to(self, matched_tokens: int) -> None:
+        """Account one placement on a replica expected to hold ``matched_tokens`` of the prompt (0: by load)."""
+        self.routed.labels("prefix" if matched_tokens else "least_loaded").inc()
+        self.routed_prefix_tokens.inc(matched_tokens)
+
+    def request_done(self, code: grpc.StatusCode, usage: Any = None, timing: Any = None) -> None:
+        """Account a finished call: its status, the tokens it generated, and when OK its prompt tokens (with
+        those served from a prefix cache) and latencies. ``usage`` is its coordinator Usage (None: none)."""
         self.requests.labels(code.name).inc()
         if code != grpc.StatusCode.OK:
             self.errors.labels(code.name).inc()
-        if completion_tokens:
-            self.generated.inc(completion_tokens)
+        if usage is not None and usage.completion_tokens:
+            self.generated.inc(usage.completion_tokens)
+        if usage is not None and code == grpc.StatusCode.OK:
+            self.prompt_tokens.inc(usage.prompt_tokens)
+            self.cached_prompt_tokens.inc(usage.cached_prompt_tokens)
         if timing is not None and code == grpc.StatusCode.OK:
             self.queue_wait.observe(timing.queue_wait_s)
             self.ttft.observe(timing.time_to_first_token_s)

@@ -15,9 +15,11 @@ import grpc
 import pytest
 from conftest import coordinator_stub, target_replicas
 from kubernetes import client
+from prometheus_scrape import scrape, value
 
 from coordinator.discovery import DNSDiscovery, KubernetesDiscovery, StaticDiscovery, parse_endpoint_spec
 from coordinator.prefix_affinity import PrefixAffinity
+from specserve.processes import free_port
 from specserve.v1 import coordinator_pb2, model_pb2, model_pb2_grpc
 
 
@@ -117,7 +119,8 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_caches_it(checkpoints,
     """With prefix caches on the targets, a request whose prompt begins like a running one joins that
     replica (within the load slack) instead of the idle one; an unrelated prompt goes to the idle one."""
     shared = list(range(40, 80))  # two 16-token blocks
-    with target_replicas(checkpoints["llama"], tmp_path, 2,
+    metrics_port = free_port()
+    with target_replicas(checkpoints["llama"], tmp_path, 2, "--metrics-port", str(metrics_port),
                          target_args=["--prefix-cache-mb", "16"]) as (targets, coordinator):
         stub = coordinator_stub(coordinator.address)
 
@@ -138,4 +141,10 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_caches_it(checkpoints,
         stats = cache_stats()
         assert stats[busy].prefix_cache_hit_tokens == 32 and stats[busy].prefix_cache_lookup_tokens == 40 + 42
         assert stats[1 - busy].prefix_cache_lookup_tokens == 40, "the unrelated prompt should go to the idle replica"
+        routed = scrape(metrics_port)  # the router expected the 32 tokens the busy replica had cached
+        assert value(routed, "specserve_routed_requests_total", reason="prefix") == 1
+        assert value(routed, "specserve_routed_requests_total", reason="least_loaded") == 2
+        assert value(routed, "specserve_routed_prefix_tokens_total") == 32
+        assert value(routed, "specserve_cached_prompt_tokens_total") == 32
+        assert value(routed, "specserve_prompt_tokens_total") == 42 + 40
         long_running.cancel()

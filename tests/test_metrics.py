@@ -3,27 +3,14 @@
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import grpc
 import pytest
 from conftest import coordinator_stub
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_scrape import scrape, value
 
 from specserve.processes import Deployment
 from specserve.v1 import coordinator_pb2
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """{(sample name, sorted labels): value} of http://127.0.0.1:port/metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(metrics, name: str, **labels: str) -> float:
-    return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +48,10 @@ def test_coordinator_counters_match_responses(served):
     assert value(metrics, "specserve_requests_total", status="INVALID_ARGUMENT") == 1
     assert value(metrics, "specserve_errors_total", code="INVALID_ARGUMENT") == 1
     assert value(metrics, "specserve_generated_tokens_total") == sum(u.completion_tokens for u in usage) == 12 + 18 + 51
+    assert value(metrics, "specserve_prompt_tokens_total") == sum(u.prompt_tokens for u in usage) > 0
+    assert value(metrics, "specserve_cached_prompt_tokens_total") == 0  # the targets cache no prefixes here
+    assert value(metrics, "specserve_routed_requests_total", reason="least_loaded") == 3
+    assert value(metrics, "specserve_routed_prefix_tokens_total") == 0
     proposed = sum(u.draft_tokens_proposed for u in usage)
     accepted = sum(u.draft_tokens_accepted for u in usage)
     assert proposed > 0
