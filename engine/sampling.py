@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from engine.errors import InvalidInput
+from engine.roles import check_role
 
 __all__ = [
     "CompactDistribution",
@@ -51,7 +52,6 @@ __all__ = [
     "verify_proposals",
 ]
 
-_ROLES = ("draft", "target")
 _FP16_LE = np.dtype("<f2")
 
 
@@ -94,8 +94,7 @@ def sequence_generator(seed: int, sample_index: int, role: str) -> torch.Generat
     The seed is a stable hash (BLAKE2b), so it is identical across processes, machines and Python
     versions; different samples and roles get independent streams.
     """
-    if role not in _ROLES:
-        raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
+    check_role(role)
     digest = hashlib.blake2b(
         f"specserve/sampling/{int(seed)}/{int(sample_index)}/{role}".encode(), digest_size=8
     ).digest()

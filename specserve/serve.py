@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import logging
 
+from engine.roles import MODEL_ROLES
+
 DEFAULT_PORTS = {"coordinator": 50050, "draft": 50051, "target": 50052}
 
 
@@ -75,7 +77,7 @@ def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``serve ROLE`` with the flags of that role."""
     roles = parser.add_subparsers(dest="role", required=True)
-    for role in ("draft", "target"):
+    for role in MODEL_ROLES:
         role_parser = roles.add_parser(role, help=f"serve the {role} model")
         _common(role_parser, role)
         _model_flags(role_parser)
