@@ -11,6 +11,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from engine.token_map import TokenMap, TokenMapError, load_token_map
+
 # Decoders whose layers are (input norm, q/k/v/o attention with RoPE, post norm, MLP): the runtime
 # drives their modules directly.
 ARCHITECTURES_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -26,11 +28,13 @@ class CheckpointError(ValueError):
 
 @dataclass
 class Checkpoint:
-    """A loaded model, its tokenizer (None when the directory has none) and where it came from."""
+    """A loaded model, its tokenizer (None when the directory has none), its token map (None unless the model
+    covers a subset of its tokenizer's vocabulary, see engine.token_map) and where it came from."""
 
     path: Path
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase | None
+    token_map: TokenMap | None = None
 
     @property
     def name(self) -> str:
@@ -39,7 +43,10 @@ class Checkpoint:
 
     @property
     def vocab_size(self) -> int:
-        """Rows of the output embedding, i.e. the ids the model can emit."""
+        """The ids the model reads and whose logits it returns: the output embedding's rows, or the
+        vocabulary its token map serves."""
+        if self.token_map is not None:
+            return self.token_map.target_vocab_size
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     @property
@@ -87,7 +94,7 @@ def load_checkpoint(path: str | Path, dtype: str = "float32", device: torch.devi
     on ``device``.
 
     Raises CheckpointError with an actionable message for a missing directory, an unsupported
-    architecture or an unknown dtype.
+    architecture, an unknown dtype or a token map that does not fit the model.
     """
     directory = Path(path).expanduser().resolve()
     if not (directory / "config.json").is_file():
@@ -105,7 +112,12 @@ def load_checkpoint(path: str | Path, dtype: str = "float32", device: torch.devi
         directory, dtype=DTYPES[dtype], use_safetensors=True, local_files_only=True
     )
     model.to(device).eval()
+    try:
+        token_map = load_token_map(directory, int(model.get_output_embeddings().weight.shape[0]))
+    except TokenMapError as exc:
+        raise CheckpointError(str(exc)) from exc
     tokenizer = None
     if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    return Checkpoint(path=directory, model=model, tokenizer=tokenizer)
+    return Checkpoint(path=directory, model=model, tokenizer=tokenizer,
+                      token_map=token_map.to(device) if token_map is not None else None)

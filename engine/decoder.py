@@ -14,13 +14,18 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from engine.kv_cache import KVLayout
+from engine.token_map import TokenMap
 
 
 class Decoder:
-    """Runs prompt prefill (batch 1) and batched window steps over a KV layout."""
+    """Runs prompt prefill (batch 1) and batched window steps over a KV layout.
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    With a ``token_map`` (a subset-vocabulary draft) token ids in and logits out are the target's: the map is
+    applied at the embedding and after the LM head."""
+
+    def __init__(self, model: PreTrainedModel, token_map: TokenMap | None = None) -> None:
         self.model = model
+        self.token_map = token_map
         self.body = model.model
         config = model.config
         self.num_layers = int(config.num_hidden_layers)
@@ -62,7 +67,7 @@ class Decoder:
         tokens = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         width = tokens.shape[1]
         positions = torch.arange(done, done + width, device=self.device)[None, :]
-        h = self.body.embed_tokens(tokens)
+        h = self._embed(tokens)
         cos, sin = self.body.rotary_emb(h, positions)
         mask = None
         if done:  # query i sees the whole past and its own window up to i
@@ -80,8 +85,7 @@ class Decoder:
                 enable_gqa=self.q_heads != self.kv_heads,
             )
             h = self._finish_layer(layer, h, o)
-        logits = self.model.lm_head(self.body.norm(h[:, -1]))
-        return logits[0].float(), keys, values
+        return self._logits(h[:, -1])[0], keys, values
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, widths: torch.Tensor, base: torch.Tensor,
@@ -105,7 +109,7 @@ class Decoder:
         batch, width = tokens.shape
         positions = kv.row_prefix_lens()[:, None] + base[:, None] + torch.arange(width, device=self.device)[None, :]
         lens = base + widths
-        h = self.body.embed_tokens(tokens)
+        h = self._embed(tokens)
         cos, sin = self.body.rotary_emb(h, positions)
         for index, layer in enumerate(self.body.layers):
             q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin)
@@ -114,4 +118,11 @@ class Decoder:
             h = self._finish_layer(layer, h, o)
         if last_only:
             h = h[torch.arange(batch, device=self.device), (widths - 1).clamp(min=0)]
-        return self.model.lm_head(self.body.norm(h)).float()
+        return self._logits(h)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.body.embed_tokens(tokens if self.token_map is None else self.token_map.to_draft(tokens))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.model.lm_head(self.body.norm(h)).float()
+        return logits if self.token_map is None else self.token_map.to_target_logits(logits)

@@ -56,7 +56,7 @@ class ModelRuntime:
         if attention not in ATTENTION_LAYOUTS:
             raise ValueError(f"attention must be one of {ATTENTION_LAYOUTS}, got {attention!r}")
         self.checkpoint = checkpoint
-        self.decoder = Decoder(checkpoint.model)
+        self.decoder = Decoder(checkpoint.model, checkpoint.token_map)
         self.attention = attention
         self.attention_backend = backend_for_device(attention_backend, self.decoder.device)
         self._bifurcated = get_bifurcated_attention(self.attention_backend)

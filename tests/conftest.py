@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import build_checkpoint, train_tokenizer  # noqa: E402
+from tiny_models import build_checkpoint, restrict_vocabulary, train_tokenizer  # noqa: E402
 
 from specserve.processes import Deployment, ServerProcess, free_port  # noqa: E402
 from specserve.v1 import coordinator_pb2_grpc  # noqa: E402
@@ -27,12 +27,15 @@ from specserve.v1 import coordinator_pb2_grpc  # noqa: E402
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Tiny Llama and Qwen2 targets, unrelated random drafts, and a draft with another tokenizer."""
+    """Tiny Llama and Qwen2 targets, unrelated random drafts, a draft with another tokenizer, and the Llama
+    target restricted to its first 288 token ids (a subset-vocabulary draft that agrees with it there)."""
     root = tmp_path_factory.mktemp("checkpoints")
     tokenizer = train_tokenizer()
     other_tokenizer = train_tokenizer(vocab_size=300)
+    llama = build_checkpoint(root / "llama", tokenizer, "llama", seed=0)
     return {
-        "llama": build_checkpoint(root / "llama", tokenizer, "llama", seed=0),
+        "llama": llama,
+        "llama_subset": restrict_vocabulary(llama, root / "llama_subset", list(range(288))),
         "llama_draft": build_checkpoint(root / "llama_draft", tokenizer, "llama", seed=1, layers=1),
         "qwen2": build_checkpoint(root / "qwen2", tokenizer, "qwen2", seed=2, heads=4, kv_heads=1),
         "qwen2_draft": build_checkpoint(root / "qwen2_draft", tokenizer, "qwen2", seed=3, layers=1, kv_heads=1),

@@ -111,19 +111,22 @@ def test_engine_runtime_matches_hf_generate_on_real_target(target_dir, tokenizer
 
 
 def test_draft_loads_on_its_own_with_the_targets_vocabulary(target_dir, tokenizer):
-    """The committed draft is a plain HF checkpoint (safetensors, under 20 MB) with the target's tokenizer."""
+    """The committed draft is a plain HF checkpoint (safetensors, under 20 MB) with the target's tokenizer and a
+    token map from its subset of rows to the target's ids; specserve serves it over the target's vocabulary."""
     assert default_draft() == DRAFT_DIR
     draft = AutoModelForCausalLM.from_pretrained(DRAFT_DIR, dtype=torch.float32).eval()
     draft_tokenizer = AutoTokenizer.from_pretrained(DRAFT_DIR)
     assert draft_tokenizer.get_vocab() == tokenizer.get_vocab()
-    assert draft.config.vocab_size == load_checkpoint(target_dir).vocab_size
-    assert load_checkpoint(DRAFT_DIR).vocab_fingerprint() == load_checkpoint(target_dir).vocab_fingerprint()
+    served, target = load_checkpoint(DRAFT_DIR), load_checkpoint(target_dir)
+    assert served.token_map is not None and served.token_map.draft_vocab_size == draft.config.vocab_size
+    assert served.vocab_size == target.vocab_size
+    assert served.vocab_fingerprint() == target.vocab_fingerprint()
     size = sum(f.stat().st_size for f in DRAFT_DIR.rglob("*") if f.is_file())
     assert size < 20_000_000
     assert not list(DRAFT_DIR.glob("*.bin"))
     ids = torch.tensor([tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]])
     with torch.inference_mode():
-        assert torch.isfinite(draft(ids).logits).all()
+        assert torch.isfinite(draft(served.token_map.to_draft(ids)).logits).all()
 
 
 def test_bass_over_grpc_on_the_default_pair_is_the_targets_greedy(target_dir, tokenizer, tmp_path):

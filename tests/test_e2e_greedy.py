@@ -35,6 +35,7 @@ CASES = [
     pytest.param("llama", "llama", id="llama-draft-agrees"),
     pytest.param("llama", "llama_draft", id="llama-random-draft"),
     pytest.param("qwen2", "qwen2_draft", id="qwen2-mqa-random-draft"),
+    pytest.param("llama", "llama_subset", id="llama-subset-vocabulary-draft"),
     pytest.param("llama", None, id="llama-no-draft"),
 ]
 
@@ -70,9 +71,12 @@ def test_concurrent_mixed_batch_matches_hf(deployments, checkpoints, target, dra
         assert 0 <= usage.draft_tokens_accepted <= usage.draft_tokens_proposed
         if draft is None:
             assert usage.draft_tokens_proposed == 0
+    total = sum(r.usage.draft_tokens_proposed for r in responses)
+    accepted = sum(r.usage.draft_tokens_accepted for r in responses)
     if draft == target:  # the draft is the target itself: almost everything is accepted
-        total = sum(r.usage.draft_tokens_proposed for r in responses)
-        assert sum(r.usage.draft_tokens_accepted for r in responses) >= 0.9 * total
+        assert accepted >= 0.9 * total
+    if draft == "llama_subset":  # the target itself on its first 288 ids (measured: 303 of 887 accepted)
+        assert accepted >= 0.2 * total
 
 
 def test_stream_equals_unary(deployments):

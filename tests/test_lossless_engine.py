@@ -14,6 +14,7 @@ import itertools
 import pytest
 import torch
 from scipy import stats
+from tiny_models import restrict_vocabulary
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import engine.sampling
@@ -41,11 +42,23 @@ def tiny(path, seed: int, scale: float):
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lossless")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("lossless")
+
+
+@pytest.fixture(scope="module")
+def pair(root):
     target = TargetRuntime(load_checkpoint(tiny(root / "target", seed=10, scale=12.0)))
     draft = DraftRuntime(load_checkpoint(tiny(root / "draft", seed=11, scale=8.0)))
     return target, draft
+
+
+@pytest.fixture(scope="module")
+def subset_pair(pair, root):
+    """The same target with the draft restricted to token ids 0..19: q is 0 on the other 12 ids."""
+    restricted = restrict_vocabulary(tiny(root / "draft-full", seed=11, scale=8.0), root / "draft-subset",
+                                     list(range(20)))
+    return pair[0], DraftRuntime(load_checkpoint(restricted))
 
 
 def exact_distribution(model, params: SamplingParams) -> torch.Tensor:
@@ -116,6 +129,15 @@ def test_speculative_sampling_has_the_target_distribution(pair, params):
     target, draft = pair
     samples = speculative_samples(target, draft, params, "exact")
     assert len(samples) == SAMPLES
+    assert chi_square_pvalue(samples, exact_distribution(target.checkpoint.model, params)) > ALPHA
+
+
+def test_subset_vocabulary_draft_keeps_the_target_distribution(subset_pair):
+    """The target's tokens the draft cannot propose come only from corrections: still exact."""
+    target, draft = subset_pair
+    params = SamplingParams(temperature=1.0, seed=4)
+    samples = speculative_samples(target, draft, params, "subset")
+    assert (samples >= 20).any(), "no token outside the draft's subset: the correction path went untested"
     assert chi_square_pvalue(samples, exact_distribution(target.checkpoint.model, params)) > ALPHA
 
 

@@ -7,7 +7,17 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from engine.token_map import CATCH_ALL, TokenMap
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 EOS_ID = 2
@@ -45,4 +55,28 @@ def build_checkpoint(path: Path, tokenizer: PreTrainedTokenizerFast, family: str
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def restrict_vocabulary(source: Path, path: Path, subset: list[int]) -> Path:
+    """Save at ``path`` a copy of the (untied) checkpoint ``source`` whose embedding and head keep only the rows
+    of ``subset`` plus a catch-all row (the mean embedding), with the token map that serves it and the source's
+    tokenizer: on a context of subset tokens its logits at subset ids are the source's exactly."""
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    rows = torch.tensor(subset)
+    embedding = model.get_input_embeddings().weight.detach()
+    head = model.get_output_embeddings().weight.detach()
+    config = model.config
+    vocab = config.vocab_size
+    config.vocab_size = len(subset) + 1
+    restricted = type(model)(config)
+    state = {k: v for k, v in model.state_dict().items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+    restricted.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        restricted.get_input_embeddings().weight.copy_(torch.cat([embedding[rows], embedding.mean(0, keepdim=True)]))
+        restricted.get_output_embeddings().weight.copy_(torch.cat([head[rows], head.mean(0, keepdim=True)]))
+    restricted.save_pretrained(path, safe_serialization=True)
+    if (source / "tokenizer.json").is_file():
+        AutoTokenizer.from_pretrained(source).save_pretrained(path)
+    TokenMap(torch.cat([rows, torch.tensor([CATCH_ALL])]), vocab).save(path)
     return path

@@ -43,6 +43,7 @@ import train_default_models as corpus_rules  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from engine.default_models import default_target  # noqa: E402
+from engine.token_map import CATCH_ALL, TokenMap, load_token_map  # noqa: E402
 
 # the tiny pair's corpus helpers, shared: progress lines, token ids without special tokens, LR schedule
 log, encode, lr_at = corpus_rules.log, corpus_rules.encode, corpus_rules.lr_at
@@ -112,6 +113,49 @@ def make_student(target, config: LlamaConfig, seed: int) -> LlamaForCausalLM:
     return student
 
 
+def frequent_subset(stream: torch.Tensor, vocab_size: int, size: int, keep: set[int]) -> torch.Tensor:
+    """The ``size`` most frequent token ids of the training stream (ties by id), always including ``keep``
+    (the special ids), in ascending id order."""
+    counts = torch.bincount(stream.long(), minlength=vocab_size).double()
+    counts[sorted(keep)] = float("inf")
+    order = torch.argsort(-counts, stable=True)
+    return order[:size].sort().values
+
+
+def make_layer_student(target, subset: torch.Tensor, layers: int) -> tuple[LlamaForCausalLM, TokenMap]:
+    """A student with the target's width whose body is a copy of the target's first ``layers`` layers and its
+    final norm, and whose tied embedding/head is the target's embedding rows for ``subset`` plus one catch-all
+    row (initialised to the mean embedding); returned with the token map that serves it."""
+    tc = target.config
+    config = student_config(tc, tc.hidden_size, layers, tc.num_attention_heads, tc.num_key_value_heads,
+                            tc.intermediate_size)
+    config.vocab_size = len(subset) + 1
+    config.head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    student = LlamaForCausalLM(config)
+    for mine, theirs in zip(student.model.layers, target.model.layers[:layers], strict=False):
+        mine.load_state_dict(theirs.state_dict())
+    student.model.norm.load_state_dict(target.model.norm.state_dict())
+    emb = target.get_input_embeddings().weight.detach().float()
+    student.get_input_embeddings().weight.data.copy_(torch.cat([emb[subset], emb.mean(0, keepdim=True)]))
+    table = torch.cat([subset, torch.tensor([CATCH_ALL])])
+    return student, TokenMap(table, tc.vocab_size)
+
+
+def subset_kd_losses(logits: torch.Tensor, teacher_logits: torch.Tensor, nxt: torch.Tensor, token_map: TokenMap
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(KL(teacher || student) with the teacher's mass outside the draft's subset folded into the catch-all row,
+    cross-entropy on the next token's draft row), both averaged over all positions but the last."""
+    log_norm = torch.logsumexp(teacher_logits.float(), -1, keepdim=True)
+    p = (teacher_logits[..., token_map.mapped_ids].float() - log_norm).exp()
+    rest = (1 - p.sum(-1, keepdim=True)).clamp(min=1e-6)
+    p = torch.cat([p, rest], -1)  # rows in the order of mapped_rows, then the catch-all
+    log_q = torch.log_softmax(logits.float(), -1)
+    log_q = torch.cat([log_q[..., token_map.mapped_rows], log_q[..., token_map.catch_all_row, None]], -1)
+    kl = (p * (p.clamp(min=1e-12).log() - log_q)).sum(-1)
+    ce = -torch.log_softmax(logits.float(), -1).gather(-1, token_map.to_draft(nxt)[..., None])[..., 0]
+    return kl[:, :-1].mean(), ce[:, :-1].mean()
+
+
 def teacher_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher's k most probable tokens per position: (probabilities [B, T, k], ids [B, T, k])."""
     values, ids = logits.topk(k, dim=-1)
@@ -133,7 +177,8 @@ def sparse_kd_losses(logits: torch.Tensor, teacher_top: tuple[torch.Tensor, torc
     return kl[:, :-1].mean(), ce[:, :-1].mean()
 
 
-def train(student, teacher, generated: torch.Tensor, stream: torch.Tensor, args: argparse.Namespace) -> dict:
+def train(student, teacher, generated: torch.Tensor, stream: torch.Tensor, args: argparse.Namespace,
+          token_map: TokenMap | None) -> dict:
     """Online distillation for ``args.train_minutes`` of wall time; returns the training record."""
     rng = torch.Generator().manual_seed(args.seed)
     opt = torch.optim.AdamW(student.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -148,12 +193,15 @@ def train(student, teacher, generated: torch.Tensor, stream: torch.Tensor, args:
         x = torch.cat([rows[:, :WINDOW], windows[:, :WINDOW]])
         nxt = torch.cat([torch.cat([rows[:, 1:WINDOW], rows[:, WINDOW - 1:WINDOW]], 1), windows[:, 1:]])
         with torch.no_grad():
-            teacher_top = teacher_topk(teacher(input_ids=x).logits, args.topk)
+            teacher_logits = teacher(input_ids=x).logits
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total, args.lr, args.warmup)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = student(input_ids=x).logits
-        kl, ce = sparse_kd_losses(logits, teacher_top, nxt)
+            logits = student(input_ids=x if token_map is None else token_map.to_draft(x)).logits
+        if token_map is None:
+            kl, ce = sparse_kd_losses(logits, teacher_topk(teacher_logits, args.topk), nxt)
+        else:
+            kl, ce = subset_kd_losses(logits, teacher_logits, nxt, token_map)
         loss = kl + args.ce_weight * ce
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -173,8 +221,32 @@ def train(student, teacher, generated: torch.Tensor, stream: torch.Tensor, args:
             "wall_minutes": round((time.time() - started) / 60, 2)}
 
 
+def draft_logits(draft, token_map: TokenMap | None, ids: torch.Tensor) -> torch.Tensor:
+    """The draft's logits over the target's vocabulary for target token ids [B, T]."""
+    if token_map is None:
+        return draft(input_ids=ids).logits
+    return token_map.to_target_logits(draft(input_ids=token_map.to_draft(ids)).logits)
+
+
+def mapped_greedy(draft, token_map: TokenMap):
+    """A greedy continuation function (ids, n_new) -> target ids for a subset-vocabulary draft."""
+    @torch.inference_mode()
+    def run(ids: list[int], n_new: int) -> list[int]:
+        out = draft(input_ids=token_map.to_draft(torch.tensor([ids])), use_cache=True)
+        tokens: list[int] = []
+        while True:
+            token = int(token_map.to_target_logits(out.logits[0, -1]).argmax())
+            tokens.append(token)
+            if len(tokens) == n_new:
+                return tokens
+            out = draft(input_ids=token_map.to_draft(torch.tensor([[token]])), past_key_values=out.past_key_values,
+                        use_cache=True)
+    return run
+
+
 @torch.inference_mode()
-def sampled_overlap(target, draft, prompts: list[dict], temperature: float, new_tokens: int, seed: int) -> dict:
+def sampled_overlap(target, draft, prompts: list[dict], temperature: float, new_tokens: int, seed: int,
+                    token_map: TokenMap | None = None) -> dict:
     """Mean over sampled target continuations of sum_x min(p(x), q(x)) at ``temperature``: the probability
     that lossless speculative sampling accepts a draft token at each position."""
     torch.manual_seed(seed)
@@ -186,19 +258,21 @@ def sampled_overlap(target, draft, prompts: list[dict], temperature: float, new_
                               top_k=None, pad_token_id=target.config.pad_token_id)
         start = len(p["ids"]) - 1
         pt = F.softmax(target(input_ids=out).logits[0, start:-1].float() / temperature, -1)
-        qd = F.softmax(draft(input_ids=out).logits[0, start:-1].float() / temperature, -1)
+        qd = F.softmax(draft_logits(draft, token_map, out)[0, start:-1].float() / temperature, -1)
         total += torch.minimum(pt, qd).sum(-1).sum().item()
         count += pt.shape[0]
     return {"temperature": temperature, "positions": count, "expected_acceptance": round(total / count, 4)}
 
 
-def evaluate(target, draft, tokenizer, held: list[tuple[str, str]], args: argparse.Namespace) -> dict:
+def evaluate(target, draft, token_map: TokenMap | None, tokenizer, held: list[tuple[str, str]],
+             args: argparse.Namespace) -> dict:
     """Held-out greedy acceptance at k and sampled acceptance at T=0.8, against the fp32 target."""
     prompts = corpus_rules.make_prompts(tokenizer, held, args.eval_prompts)
     log(f"evaluating on {len(prompts)} held-out prompts")
-    greedy = corpus_rules.acceptance(target, draft, prompts, k=args.k, n_new=64)
+    draft_greedy = None if token_map is None else mapped_greedy(draft, token_map)
+    greedy = corpus_rules.acceptance(target, draft, prompts, k=args.k, n_new=64, draft_greedy=draft_greedy)
     log(f"  greedy acceptance at k={args.k}: {greedy['acceptance_rate']}")
-    sampled = sampled_overlap(target, draft, prompts[: args.eval_sampled], 0.8, 64, args.seed)
+    sampled = sampled_overlap(target, draft, prompts[: args.eval_sampled], 0.8, 64, args.seed, token_map)
     log(f"  expected sampled acceptance at T=0.8: {sampled['expected_acceptance']}")
     return {"greedy": greedy, "sampled": sampled}
 
@@ -218,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ce-weight", type=float, default=0.2)
     ap.add_argument("--topk", type=int, default=64, help="teacher tokens per position in the KD loss (+ a rest bucket)")
     ap.add_argument("--init", default=None, help="continue training this draft checkpoint")
+    ap.add_argument("--vocab-subset", type=int, default=0,
+                    help="a draft over the N most frequent training tokens + a catch-all row, its body the target's "
+                         "first --target-layers layers (0: a full-vocabulary draft of --hidden/--layers/...)")
+    ap.add_argument("--target-layers", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
@@ -250,16 +328,26 @@ def main(argv: list[str] | None = None) -> int:
             generated = torch.tensor(generate_continuations(teacher, prompts, args.gen_batch, args.seed, deadline))
             torch.save(generated, cache)
         log(f"target continuations: {len(generated)} sequences of {generated.shape[1]} tokens")
+        torch.manual_seed(args.seed)
         if args.init:
             student = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+            token_map = load_token_map(args.init, student.config.vocab_size)
+        elif args.vocab_subset:
+            specials = {int(t) for t in (target.config.bos_token_id, target.config.eos_token_id,
+                                         target.config.pad_token_id) if t is not None}
+            subset = frequent_subset(stream, target.config.vocab_size, args.vocab_subset, specials)
+            student, token_map = make_layer_student(target, subset, args.target_layers)
         else:
             student = make_student(target, student_config(target.config, args.hidden, args.layers, args.heads,
                                                           args.kv_heads, args.mlp), args.seed)
-        record = train(student, teacher, generated, stream, args)
+            token_map = None
+        record = train(student, teacher, generated, stream, args, token_map)
         del teacher
         student.to(torch.bfloat16).save_pretrained(out)
         student.generation_config.save_pretrained(out)
         tokenizer.save_pretrained(out)
+        if token_map is not None:
+            token_map.save(out)
         init_metrics = Path(args.init or "") / "metrics.json"
         previous = json.loads(init_metrics.read_text())["training"] if args.init and init_metrics.is_file() else None
         metrics = {"training": {**record, "init": args.init, "previous_stage": previous,
@@ -269,8 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
     draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    token_map = load_token_map(out, draft.config.vocab_size)
     metrics["params"] = sum(p.numel() for p in draft.parameters())
-    metrics["eval"] = evaluate(target, draft, tokenizer, held, args)
+    metrics["vocab_subset"] = None if token_map is None else len(token_map.mapped_ids)
+    metrics["eval"] = evaluate(target, draft, token_map, tokenizer, held, args)
     metrics["heldout_files"] = [rel for rel, _ in held]
     metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
     log(f"wrote {out} ({sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 1e6:.1f} MB)")

@@ -391,10 +391,12 @@ def greedy(model, ids: list[int], n_new: int) -> list[int]:
 
 
 @torch.no_grad()
-def acceptance(target, draft, prompts, k: int = 4, n_new: int = 64) -> dict:
+def acceptance(target, draft, prompts, k: int = 4, n_new: int = 64, draft_greedy=None) -> dict:
     """Simulate greedy speculative decoding: per round the draft proposes k greedy tokens from the
     current (target-greedy) prefix; accept while equal to the target's greedy tokens; the round then
-    appends the target's token (correction or bonus) and restarts."""
+    appends the target's token (correction or bonus) and restarts. ``draft_greedy(ids, n)`` replaces
+    ``greedy(draft, ids, n)`` for drafts that HF ``generate`` cannot run as they are."""
+    draft_greedy = draft_greedy or (lambda ids, n: greedy(draft, ids, n))
     accepted = proposed = rounds = 0
     per_prompt = []
     for p in prompts:
@@ -402,7 +404,7 @@ def acceptance(target, draft, prompts, k: int = 4, n_new: int = 64) -> dict:
         pos, a_p, pr_p = 0, 0, 0
         while pos < n_new:
             kk = min(k, n_new - pos)
-            prop = greedy(draft, p["ids"] + tgt[:pos], kk)
+            prop = draft_greedy(p["ids"] + tgt[:pos], kk)
             m = 0
             while m < kk and prop[m] == tgt[pos + m]:
                 m += 1

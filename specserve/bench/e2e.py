@@ -42,7 +42,7 @@ from engine.draft import DraftRuntime
 from engine.sampling import SamplingParams
 from engine.target import TargetRuntime
 from specserve.bench.prompts import code_prompts
-from specserve.bench.speculative import RunStats, engine_bass, engine_batched, hf_assisted, hf_generate
+from specserve.bench.speculative import RunStats, engine_bass, engine_batched, hf_assistant, hf_assisted, hf_generate
 from specserve.bench.timing import format_bytes, host_info, time_interleaved_samples
 from specserve.model_pair import add_model_pair_arguments, resolve_model_pair
 
@@ -127,6 +127,7 @@ class Harness:
             raise SystemExit(f"{args.target_model} has no tokenizer: the code prompts need one")
         self.target_runtime = TargetRuntime(self.target)
         self.draft_runtime = DraftRuntime(self.draft)
+        self.assistant = hf_assistant(self.draft) if "c_hf_assisted" in args.systems else None
         self.prompts = code_prompts(self.target.tokenizer, args.prompts)
         self.deployments: dict[str, Any] = {}
         self.stubs: dict[str, Any] = {}
@@ -168,7 +169,7 @@ class Harness:
             elif system == "b_hf_generate":
                 out, stats = hf_generate(self.target.model, prompt, n, temperature, max_new, a.seed)
             elif system == "c_hf_assisted":
-                out, stats = hf_assisted(self.target.model, self.draft.model, prompt, n, temperature, max_new, a.seed)
+                out, stats = hf_assisted(self.target.model, self.assistant, prompt, n, temperature, max_new, a.seed)
             elif system in ("d_bass_fixed", "d_bass_adaptive"):
                 length = DraftLength(a.draft_len, max(a.draft_len, a.max_draft_len), system == "d_bass_adaptive")
                 out, stats = engine_bass(self.target_runtime, self.draft_runtime, prompt, n, params, max_new, length)

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from coordinator.draft_length import DraftLength
 from engine.batch import GroupInput
+from engine.checkpoint import Checkpoint
 from engine.draft import DraftRuntime
 from engine.sampling import SamplingParams
 from engine.target import TargetRuntime
@@ -158,6 +159,30 @@ def hf_generate(model: PreTrainedModel, prompt: list[int], n: int, temperature: 
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     samples = out[:, len(prompt):].tolist()
     return samples, RunStats(total_s=time.perf_counter() - start, target_s=time.perf_counter() - start)
+
+
+def hf_assistant(draft: Checkpoint) -> PreTrainedModel:
+    """The draft as HF assisted generation can call it: its own model, or for a subset-vocabulary draft an
+    equivalent full-vocabulary copy (every other id reads the catch-all row; the head gets a bias of -inf at
+    ids outside the subset), so HF sees the same distribution specserve serves, at the cost of a full head."""
+    token_map = draft.token_map
+    if token_map is None:
+        return draft.model
+    source = draft.model
+    config = source.config.__class__.from_dict({**source.config.to_dict(), "vocab_size": token_map.target_vocab_size,
+                                                "tie_word_embeddings": False})
+    model = type(source)(config).to(dtype=source.dtype, device=source.device).eval()
+    state = {k: v for k, v in source.state_dict().items() if not k.startswith(("lm_head", "model.embed_tokens"))}
+    model.load_state_dict(state, strict=False)
+    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True, dtype=source.dtype, device=source.device)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(source.get_input_embeddings().weight[token_map.target_to_draft])
+        head.weight.zero_()
+        head.weight[token_map.mapped_ids] = source.get_output_embeddings().weight[token_map.mapped_rows]
+        head.bias.fill_(float("-inf"))
+        head.bias[token_map.mapped_ids] = 0.0
+    model.lm_head = head
+    return model
 
 
 def hf_assisted(model: PreTrainedModel, assistant: PreTrainedModel, prompt: list[int], n: int, temperature: float,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from engine.default_models import DRAFT_DIR
 
@@ -32,7 +32,7 @@ def save_synthetic_llama(directory: Path, shape: LlamaShape, seed: int = 0) -> P
     """Write a randomly initialised ``LlamaForCausalLM`` of ``shape`` (seeded, so reproducible) with the
     default draft's tokenizer (the default target's vocabulary) to ``directory``; returns it."""
     directory.mkdir(parents=True, exist_ok=True)
-    vocab = LlamaConfig.from_pretrained(DRAFT_DIR).vocab_size
+    vocab = len(AutoTokenizer.from_pretrained(DRAFT_DIR))
     config = LlamaConfig(vocab_size=vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                          num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
                          num_key_value_heads=shape.kv_heads, max_position_embeddings=shape.max_positions,
