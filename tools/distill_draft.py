@@ -6,8 +6,11 @@ Recipe (documented with its results in models/README.md):
    files are never seen): natural 256-token windows of the training stream, and the target's own
    continuations (128 new tokens, half greedy, half sampled at T=0.8 / top-p 0.95) of 128-token prompts that
    end at a line break. The continuations are generated once (bf16 copy of the target) and cached.
-2. Student: a Llama with the target's tokenizer (vocab 49152), hidden 128, tied embeddings initialised from
-   the top principal components of the target's embedding matrix.
+2. Student: with ``--vocab-subset N`` (the shipped draft) the target's first ``--target-layers`` layers and final
+   norm, with a tied embedding/head over the N token ids most frequent in the training files plus a catch-all
+   row (``engine/token_map.py``; the KL folds the target's mass outside the subset into that row); otherwise a
+   small Llama over the whole vocabulary whose embedding is the target's projected on its top principal
+   components.
 3. Training: online distillation (the target runs in bf16 beside the student): ``KL(target || draft)`` at
    temperature 1 on every position, over the target's top ``--topk`` tokens plus one bucket for the rest of
    the vocabulary, plus ``--ce-weight`` x cross-entropy on the actual next token; AdamW, cosine schedule over
@@ -16,10 +19,9 @@ Recipe (documented with its results in models/README.md):
 5. Evaluated on held-out prompts against the fp32 target: greedy acceptance at k=4 (the simulation of
    ``train_default_models.acceptance``) and the expected sampled acceptance sum_x min(p(x), q(x)) at T=0.8.
 
-    # the shipped draft: stage 1 from scratch, stage 2 continuing it (see models/README.md)
-    .venv/bin/python tools/distill_draft.py --out /tmp/stage1-draft --gen-minutes 8 --train-minutes 25 --topk 49152
-    .venv/bin/python tools/distill_draft.py --out models/smollm2-draft --init /tmp/stage1-draft \
-        --train-minutes 27 --lr 2e-3 --warmup 10
+    # the shipped draft (see models/README.md)
+    .venv/bin/python tools/distill_draft.py --out models/smollm2-draft --gen-minutes 5 --train-minutes 42 \
+        --vocab-subset 7168 --target-layers 1 --lr 2e-3 --warmup 20
     .venv/bin/python tools/distill_draft.py --out models/smollm2-draft --eval-only
 """
 
@@ -54,7 +56,7 @@ WINDOW = PROMPT_TOKENS + NEW_TOKENS
 
 
 def training_stream(tokenizer, train: list[tuple[str, str]], eos: int) -> torch.Tensor:
-    """The training files tokenized and joined by EOS, as one int32 tensor."""
+    """Corpus files tokenized and joined by EOS, as one int32 tensor."""
     ids: list[int] = []
     for _, text in train:
         ids.extend(encode(tokenizer, text))
@@ -274,7 +276,13 @@ def evaluate(target, draft, token_map: TokenMap | None, tokenizer, held: list[tu
     log(f"  greedy acceptance at k={args.k}: {greedy['acceptance_rate']}")
     sampled = sampled_overlap(target, draft, prompts[: args.eval_sampled], 0.8, 64, args.seed, token_map)
     log(f"  expected sampled acceptance at T=0.8: {sampled['expected_acceptance']}")
-    return {"greedy": greedy, "sampled": sampled}
+    result = {"greedy": greedy, "sampled": sampled}
+    if token_map is not None:
+        held_ids = training_stream(tokenizer, held, int(target.config.eos_token_id))
+        inside = token_map.to_draft(held_ids.long()) != token_map.catch_all_row
+        result["heldout_tokens_in_subset"] = round(inside.double().mean().item(), 4)
+        log(f"  held-out tokens inside the draft's subset: {result['heldout_tokens_in_subset']}")
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
