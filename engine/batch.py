@@ -11,6 +11,7 @@ import torch
 from engine.errors import InvalidInput
 from engine.kv_cache import KVLayout
 from engine.prefix_cache import PrefixSpan
+from engine.prompt_lookup import PromptLookup
 from engine.sampling import SamplingParams
 
 
@@ -20,7 +21,8 @@ class SequenceState:
 
     ``decoded`` tokens after the prompt are in the KV cache; ``pending`` tokens are accepted but not
     yet cached (they open the next window). The draft also remembers its last ``proposed`` tokens, of
-    which all but the last were cached while proposing.
+    which all but the last were cached while proposing, and, with prompt lookup on, every confirmed token
+    (``lookup``).
     """
 
     sequence_id: int
@@ -30,6 +32,7 @@ class SequenceState:
     decoded: int = 0
     pending: list[int] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)
+    lookup: PromptLookup | None = None
 
 
 @dataclass

@@ -1,4 +1,11 @@
-"""The draft side of a round: roll back to what the target accepted, then propose k tokens per sequence."""
+"""The draft side of a round: roll back to what the target accepted, then propose k tokens per sequence.
+
+A proposal starts with the prompt-lookup continuation of the sequence (``engine.prompt_lookup``), when its
+tail occurred before, lookup is on and has been right more often than the model on this request, and
+the draft model proposes the rest. Lookup tokens are fed to the
+model as its inputs, so its cache and its own later proposals follow them; sampling sequences send a
+point distribution for each, which keeps the target's rejection sampling exact.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import SequenceState, pad_windows
+from engine.batch import GroupInput, SequenceState, pad_windows
+from engine.checkpoint import Checkpoint
 from engine.errors import InvalidInput
+from engine.prompt_lookup import DEFAULT_NGRAM_SIZES, LookupScore, PromptLookup, PromptNgrams
 from engine.runtime import ModelRuntime
-from engine.sampling import CompactDistribution, draft_distribution, process_logits, sample
+from engine.sampling import CompactDistribution, draft_distribution, point_distribution, process_logits, sample
 
 
 @dataclass
@@ -29,7 +38,8 @@ def apply_verdict(state: SequenceState, accepted_len: int, next_token: int,
     While proposing k tokens the draft cached all but the last, so after ``accepted_len`` acceptances
     the cache keeps min(accepted_len, k - 1) of them and the rest of the accepted tokens, plus the
     target's ``next_token``, become pending (no extra round trip for the rollback). ``catch_up`` tokens
-    (a sequence re-joining a draft that missed rounds) are queued before ``next_token``.
+    (a sequence re-joining a draft that missed rounds) are queued before ``next_token``. The confirmed
+    tokens extend the sequence's lookup context.
     """
     proposed = state.proposed
     if not 0 <= accepted_len <= len(proposed):
@@ -42,6 +52,10 @@ def apply_verdict(state: SequenceState, accepted_len: int, next_token: int,
         state.pending = proposed[keep:accepted_len] + list(catch_up) + [next_token]
     else:
         state.pending = state.pending + list(catch_up) + [next_token]
+    if state.lookup is not None:
+        confirmed = [*proposed[:accepted_len], *catch_up, next_token]
+        state.lookup.settle(confirmed[0] if proposed and not catch_up else None)
+        state.lookup.extend(confirmed)
     state.proposed = []
 
 
@@ -50,13 +64,33 @@ class DraftRuntime(ModelRuntime):
 
     role = "draft"
 
+    def __init__(self, checkpoint: Checkpoint, *, prompt_lookup: tuple[int, int] | None = DEFAULT_NGRAM_SIZES,
+                 **runtime_options: object) -> None:
+        """A draft runtime (options as ``ModelRuntime``); ``prompt_lookup`` (min n, max n) starts proposals with
+        prompt-lookup continuations of n-grams of those sizes, None proposes with the model alone."""
+        if prompt_lookup is not None and not 1 <= prompt_lookup[0] <= prompt_lookup[1]:
+            raise ValueError(f"prompt lookup needs 1 <= min n <= max n, got {prompt_lookup}")
+        super().__init__(checkpoint, **runtime_options)
+        self.prompt_lookup = prompt_lookup
+
+    def _start_sequences(self, group: GroupInput, states: Sequence[SequenceState], logits: torch.Tensor
+                         ) -> dict[int, int]:
+        if self.prompt_lookup is not None:
+            ngrams = PromptNgrams(group.prompt_token_ids, *self.prompt_lookup)  # one index for the n samples
+            score = LookupScore()  # and one score: lookup or the model, for this request
+            for state in states:
+                state.lookup = PromptLookup(ngrams, score)
+        return {}
+
     def propose(self, batch_id: str, updates: dict[int, tuple[int, int, Sequence[int]]], draft_len: int,
                 release: Iterable[int] = ()) -> list[DraftProposal]:
         """Apply last round's verdicts {sequence id: (accepted_len, next_token, catch-up tokens)} (every
         live sequence once), then propose ``draft_len`` tokens for each sequence.
 
-        Sampling sequences draw each token from the compact distribution returned with it, so the
-        target's rejection sampling against it is exact. Proposals come back in row order.
+        Each proposal starts with the sequence's prompt-lookup continuation (when lookup is on and finds
+        one). Sampling sequences draw each model token from the compact distribution returned with it and
+        send a point distribution with each lookup token, so the target's rejection sampling against them is
+        exact. Proposals come back in row order.
         """
         if draft_len < 0:
             raise InvalidInput(f"draft_len must be >= 0, got {draft_len}")
@@ -78,6 +112,7 @@ class DraftRuntime(ModelRuntime):
             tokens, widths = pad_windows([s.pending for s in states])
             params = [s.params for s in states]
             generators = [s.generator for s in states]
+            looked_up = [s.lookup.propose(draft_len) if s.lookup is not None else [] for s in states]
             for step in range(draft_len):
                 logits = self.forward(tokens, widths, batch.decoded(), batch.kv, last_only=True)
                 for state, width in zip(states, widths.tolist(), strict=True):
@@ -86,8 +121,16 @@ class DraftRuntime(ModelRuntime):
                 probs = process_logits(logits, params)
                 dense, compact = zip(*(draft_distribution(probs[row], p.greedy) for row, p in enumerate(params)),
                                      strict=True)
-                drawn = sample(torch.stack(dense), generators)
-                for proposal, token, dist in zip(proposals, drawn.tolist(), compact, strict=True):
+                drawn = sample(torch.stack(dense), generators)  # one uniform per row, lookup rows too
+                if step == 0:  # lookup leads where it has been right more often than the model
+                    looked_up = [s.lookup.choose(found, model) if s.lookup is not None else []
+                                 for s, found, model in zip(states, looked_up, drawn.tolist(), strict=True)]
+                dists = list(compact)
+                for row, found in enumerate(looked_up):
+                    if step < len(found):
+                        drawn[row] = found[step]
+                        dists[row] = None if params[row].greedy else point_distribution(found[step])
+                for proposal, token, dist in zip(proposals, drawn.tolist(), dists, strict=True):
                     proposal.token_ids.append(token)
                     if dist is not None:
                         proposal.distributions.append(dist)

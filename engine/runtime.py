@@ -270,11 +270,13 @@ class ModelRuntime:
             for index, sid in enumerate(group.sequence_ids)
         ]
         batch.add(states, [k[:, own:] for k in keys], [v[:, own:] for v in values], deepest.span)
-        result.first_tokens.update(self._first_tokens(states, logits))
+        result.first_tokens.update(self._start_sequences(group, states, logits))
         result.cached_tokens[group.group_id] = hit.tokens
 
-    def _first_tokens(self, states: Sequence[SequenceState], logits: torch.Tensor) -> dict[int, int]:
-        """Hook for the target: sample each new sequence's first token from the prompt's logits."""
+    def _start_sequences(self, group: GroupInput, states: Sequence[SequenceState], logits: torch.Tensor
+                         ) -> dict[int, int]:
+        """Hook run on a group's new sequences after its prefill (``logits``: the prompt's last position);
+        returns {sequence id: first token} for the role that picks them (the target)."""
         return {}
 
     def release(self, batch_id: str, sequence_ids: Iterable[int] = ()) -> int:

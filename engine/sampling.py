@@ -46,6 +46,7 @@ __all__ = [
     "SamplingParams",
     "compact_distribution",
     "draft_distribution",
+    "point_distribution",
     "process_logits",
     "sample",
     "sequence_generator",
@@ -279,6 +280,16 @@ def compact_distribution(
     if not nonzero.any():
         raise ValueError("distribution has no token with positive probability")
     return CompactDistribution(token_ids=ids[nonzero].copy(), probs_fp16=half[nonzero].tobytes())
+
+
+def point_distribution(token_id: int) -> CompactDistribution:
+    """The distribution that puts all mass on ``token_id``: ``q`` of a deterministic proposal (prompt lookup).
+
+    Verified against it, the token is accepted with probability ``p(token_id)`` and a rejection draws from
+    ``p`` without that token, so the output still has exactly the target's distribution.
+    """
+    return CompactDistribution(token_ids=np.array([token_id], dtype=np.int32),
+                               probs_fp16=np.array([1.0], dtype=_FP16_LE).tobytes())
 
 
 def draft_distribution(probs: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, CompactDistribution | None]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from opentelemetry import trace
 
-from engine.batch import SequenceState, pad_windows
+from engine.batch import GroupInput, SequenceState, pad_windows
 from engine.errors import InvalidInput
 from engine.runtime import ModelRuntime
 from engine.sampling import CompactDistribution, process_logits, sample, verify_proposals
@@ -30,7 +30,8 @@ class TargetRuntime(ModelRuntime):
 
     role = "target"
 
-    def _first_tokens(self, states: Sequence[SequenceState], logits: torch.Tensor) -> dict[int, int]:
+    def _start_sequences(self, group: GroupInput, states: Sequence[SequenceState], logits: torch.Tensor
+                         ) -> dict[int, int]:
         params = [s.params for s in states]
         probs = process_logits(logits[None].expand(len(states), -1), params)
         first = sample(probs, [s.generator for s in states]).tolist()

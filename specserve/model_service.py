@@ -151,12 +151,15 @@ def runtime_options(args: Any) -> tuple[torch.device, dict[str, Any]]:
     if graphs and not graphs_supported(device, args.attention, backend):
         raise ValueError(f"--cuda-graphs on needs --device cuda and the triton backend or --attention standard "
                          f"(got {device}, {args.attention}, {backend})")
-    return device, {
+    options = {
         "attention": args.attention, "attention_backend": backend, "cuda_graphs": graphs,
         "kv_budget_bytes": int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
         "session_ttl_s": args.session_ttl,
         "prefix_cache_bytes": int(args.prefix_cache_mb * 2**20),
     }
+    if hasattr(args, "prompt_lookup"):  # serve draft
+        options["prompt_lookup"] = args.prompt_lookup
+    return device, options
 
 
 def serve_model(servicer: ModelServicer, add_to_server: Callable[[Any, grpc.Server], None], service_name: str,

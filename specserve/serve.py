@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 
+from engine.prompt_lookup import DEFAULT_NGRAM_SIZES
 from engine.roles import MODEL_ROLES
 
 DEFAULT_PORTS = {"coordinator": 50050, "draft": 50051, "target": 50052}
@@ -49,6 +50,27 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session-ttl", type=float, default=300.0, help="seconds before an idle batch expires")
 
 
+def _ngram_sizes(text: str) -> tuple[int, int] | None:
+    """``MIN,MAX`` n-gram sizes of the draft's prompt lookup, or None for ``off``."""
+    if text.strip().lower() == "off":
+        return None
+    try:
+        low, high = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX (e.g. 2,3) or off, got {text!r}") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
+def _draft_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt-lookup", type=_ngram_sizes, default=DEFAULT_NGRAM_SIZES,
+                        metavar="MIN,MAX|off",
+                        help="start each proposal with the continuation of the latest earlier occurrence of the "
+                             "sequence's last MAX..MIN tokens (prompt lookup; lossless); 'off': the draft model "
+                             f"alone (default {','.join(map(str, DEFAULT_NGRAM_SIZES))})")
+
+
 def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
     spec = "host:port[,host:port...], dns:///HOST:PORT (headless Service) or k8s:///NAMESPACE/SERVICE:PORT"
     parser.add_argument("--target", required=True, help=f"target replicas: {spec}")
@@ -81,6 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         role_parser = roles.add_parser(role, help=f"serve the {role} model")
         _common(role_parser, role)
         _model_flags(role_parser)
+        if role == "draft":
+            _draft_flags(role_parser)
     coordinator = roles.add_parser("coordinator", help="serve the public Generate API")
     _common(coordinator, "coordinator")
     _coordinator_flags(coordinator)

@@ -17,6 +17,8 @@ from scipy import stats
 from tiny_models import restrict_vocabulary
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import engine.draft
+import engine.prompt_lookup
 import engine.sampling
 from engine.batch import GroupInput
 from engine.checkpoint import load_checkpoint
@@ -61,10 +63,10 @@ def subset_pair(pair, root):
     return pair[0], DraftRuntime(load_checkpoint(restricted))
 
 
-def exact_distribution(model, params: SamplingParams) -> torch.Tensor:
+def exact_distribution(model, params: SamplingParams, prompt_ids: list[int] = PROMPT) -> torch.Tensor:
     """P(t1, t2, t3) [V, V, V] of the target's processed distributions, by enumeration."""
     with torch.inference_mode():
-        prompt = torch.tensor([PROMPT])
+        prompt = torch.tensor([prompt_ids])
         p1 = process_logits(model(prompt).logits[:, -1], [params])[0]
         pairs = torch.tensor(list(itertools.product(range(VOCAB), repeat=2)))
         logits = model(torch.cat([prompt.expand(len(pairs), -1), pairs], dim=1)).logits
@@ -73,10 +75,11 @@ def exact_distribution(model, params: SamplingParams) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def speculative_samples(target, draft, params: SamplingParams, batch_id: str) -> torch.Tensor:
+def speculative_samples(target, draft, params: SamplingParams, batch_id: str, prompt: list[int] = PROMPT
+                        ) -> torch.Tensor:
     """(t1, t2, t3) of SAMPLES sequences: t1 from prefill, then k=2 rounds until every sequence has 3."""
     ids = list(range(SAMPLES))
-    group = GroupInput(0, PROMPT, ids, params, max_new_tokens=16)
+    group = GroupInput(0, prompt, ids, params, max_new_tokens=16)
     first = target.prefill(batch_id, [group]).first_tokens
     draft.prefill(batch_id, [group])
     tokens = {s: [first[s]] for s in ids}
@@ -139,6 +142,45 @@ def test_subset_vocabulary_draft_keeps_the_target_distribution(subset_pair):
     samples = speculative_samples(target, draft, params, "subset")
     assert (samples >= 20).any(), "no token outside the draft's subset: the correction path went untested"
     assert chi_square_pvalue(samples, exact_distribution(target.checkpoint.model, params)) > ALPHA
+
+
+LOOKUP_PROMPT = list(range(1, VOCAB)) + [5]  # every token but EOS occurred, so every t1 has a lookup continuation
+
+
+@pytest.fixture(scope="module")
+def lookup_pair(pair, root):
+    """The same target and draft model, the draft proposing prompt-lookup continuations of 1-grams first."""
+    return pair[0], DraftRuntime(load_checkpoint(root / "draft"), prompt_lookup=(1, 1))
+
+
+def lookup_samples(lookup_pair, params: SamplingParams, batch_id: str, monkeypatch) -> torch.Tensor:
+    """``speculative_samples`` on LOOKUP_PROMPT with lookup trusted from the first round (the score starts
+    in its favour), checking that most sequences were sent lookup tokens."""
+    monkeypatch.setattr(engine.draft, "LookupScore", lambda: engine.prompt_lookup.LookupScore(lookup_right=1))
+    sent = []
+    point = engine.draft.point_distribution
+    monkeypatch.setattr(engine.draft, "point_distribution", lambda token: sent.append(token) or point(token))
+    samples = speculative_samples(*lookup_pair, params, batch_id, LOOKUP_PROMPT)
+    assert len(sent) > SAMPLES / 2, "prompt lookup proposed too rarely to be tested"
+    return samples
+
+
+def test_prompt_lookup_keeps_the_target_distribution(lookup_pair, monkeypatch):
+    """Lookup tokens go out with a point distribution: accepted with probability p(x), exact overall."""
+    params = SamplingParams(temperature=1.0, seed=5)
+    samples = lookup_samples(lookup_pair, params, "lookup", monkeypatch)
+    exact = exact_distribution(lookup_pair[0].checkpoint.model, params, LOOKUP_PROMPT)
+    assert chi_square_pvalue(samples, exact) > ALPHA
+
+
+def test_lookup_tokens_sent_with_a_wrong_distribution_are_detected(lookup_pair, monkeypatch):
+    """Claiming q = uniform for a lookup token (it was not drawn from it) biases the output."""
+    params = SamplingParams(temperature=1.0, seed=5)
+    uniform = engine.sampling.compact_distribution(torch.full((VOCAB,), 1.0 / VOCAB), max_support=VOCAB)
+    monkeypatch.setattr(engine.draft, "point_distribution", lambda token: uniform)
+    samples = lookup_samples(lookup_pair, params, "lookup-broken", monkeypatch)
+    exact = exact_distribution(lookup_pair[0].checkpoint.model, params, LOOKUP_PROMPT)
+    assert chi_square_pvalue(samples, exact) < ALPHA
 
 
 def test_broken_correction_rule_is_detected(pair, monkeypatch):

@@ -8,6 +8,7 @@ in one run, for every n (samples per prompt) and temperature, it times:
 * ``c_hf_assisted``: HF assisted generation (``assistant_model=`` the draft), the n samples one after another;
 * ``d_bass_fixed`` / ``d_bass_adaptive``: specserve BASS in-process (DraftRuntime + TargetRuntime), draft
   length fixed at ``--draft-len`` or adapted by ``coordinator.draft_length`` up to ``--max-draft-len``;
+* ``d_bass_model_only``: as ``d_bass_adaptive`` with the draft's prompt lookup off (the draft model alone);
 * ``e_grpc_adaptive``: specserve over its three gRPC services (one Generate request with n samples);
 * ``e_grpc_target``: specserve over gRPC without a draft (coordinator + target: the served baseline).
 
@@ -52,9 +53,11 @@ SYSTEMS: dict[str, str] = {
     "c_hf_assisted": "(c) HF assisted generation, n sequential",
     "d_bass_fixed": "(d) BASS in-process, fixed k",
     "d_bass_adaptive": "(d) BASS in-process, adaptive k",
+    "d_bass_model_only": "(d) BASS in-process, adaptive k, draft model alone (no prompt lookup)",
     "e_grpc_adaptive": "(e) BASS over gRPC, adaptive k",
     "e_grpc_target": "(e) target only over gRPC",
 }
+IN_PROCESS_BASS = ("d_bass_fixed", "d_bass_adaptive", "d_bass_model_only")
 GRPC_SYSTEMS = {"e_grpc_adaptive": True, "e_grpc_target": False}  # system -> deployment has a draft
 BASS = "d_bass_adaptive"  # the configuration the bars are judged on (the coordinator's default)
 
@@ -119,14 +122,15 @@ class Harness:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         device = resolve_device(args.device)
-        if device.type != "cpu" and set(args.systems) - {"a_batched", "d_bass_fixed", "d_bass_adaptive"}:
-            raise SystemExit(f"--device {args.device} runs only the systems a_batched, d_bass_fixed, d_bass_adaptive")
+        if device.type != "cpu" and set(args.systems) - {"a_batched", *IN_PROCESS_BASS}:
+            raise SystemExit(f"--device {args.device} runs only the systems a_batched, {', '.join(IN_PROCESS_BASS)}")
         self.target = load_checkpoint(args.target_model, args.dtype, device)
         self.draft = load_checkpoint(args.draft_model, args.dtype, device)
         if self.target.tokenizer is None:
             raise SystemExit(f"{args.target_model} has no tokenizer: the code prompts need one")
         self.target_runtime = TargetRuntime(self.target)
         self.draft_runtime = DraftRuntime(self.draft)
+        self.model_only_runtime = DraftRuntime(self.draft, prompt_lookup=None)
         self.assistant = hf_assistant(self.draft) if "c_hf_assisted" in args.systems else None
         self.prompts = code_prompts(self.target.tokenizer, args.prompts)
         self.deployments: dict[str, Any] = {}
@@ -170,9 +174,10 @@ class Harness:
                 out, stats = hf_generate(self.target.model, prompt, n, temperature, max_new, a.seed)
             elif system == "c_hf_assisted":
                 out, stats = hf_assisted(self.target.model, self.assistant, prompt, n, temperature, max_new, a.seed)
-            elif system in ("d_bass_fixed", "d_bass_adaptive"):
-                length = DraftLength(a.draft_len, max(a.draft_len, a.max_draft_len), system == "d_bass_adaptive")
-                out, stats = engine_bass(self.target_runtime, self.draft_runtime, prompt, n, params, max_new, length)
+            elif system in IN_PROCESS_BASS:
+                length = DraftLength(a.draft_len, max(a.draft_len, a.max_draft_len), system != "d_bass_fixed")
+                draft = self.model_only_runtime if system == "d_bass_model_only" else self.draft_runtime
+                out, stats = engine_bass(self.target_runtime, draft, prompt, n, params, max_new, length)
             elif system in GRPC_SYSTEMS:
                 out, stats = self._grpc(system, prompt, n, temperature, max_new)
             else:
@@ -462,9 +467,10 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {p['n']} | " + " | ".join(_fmt(p["systems"][s]["per_token_ms"], ".1f")
                                                      for s in systems) + " |")
         lines += ["", f"**Ratios, {title}** (speed-up = other wall / BASS wall; tokens/s of all n samples)", "",
-                  "| n | BASS tok/s | BASS vs (a) | BASS vs (b) | BASS vs (c) | fixed-k vs (a) | gRPC overhead (e)/(d) "
-                  "| gRPC BASS vs gRPC target | acceptance | mean k | greedy (d),(e) = (a) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| n | BASS tok/s | BASS vs (a) | BASS vs (b) | BASS vs (c) | fixed-k vs (a) | no lookup vs (a) "
+                  "| gRPC overhead (e)/(d) | gRPC BASS vs gRPC target | acceptance (no lookup) | mean k "
+                  "| greedy (d),(e) = (a) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for p in points:
             s = p["systems"]
             d = s.get(BASS, {})
@@ -472,13 +478,16 @@ def markdown(result: dict[str, Any]) -> str:
             vs = [_ratio(s[o]["wall_s"], dw) if o in s else None for o in ("a_batched", "b_hf_generate",
                                                                            "c_hf_assisted")]
             fixed = s.get("d_bass_fixed", {}).get("speedup_vs_a")
+            alone = s.get("d_bass_model_only", {})
             same = "–" if temperature else ("yes" if all(s[x]["identical_to_a"] for x in s
                                                          if x.startswith(("d_", "e_"))) else "**no**")
             lines.append(f"| {p['n']} | {_fmt(d.get('tokens_per_s'), '.0f')} | {_fmt(vs[0], '.2f', '×')} | "
                          f"{_fmt(vs[1], '.2f', '×')} | {_fmt(vs[2], '.2f', '×')} | {_fmt(fixed, '.2f', '×')} | "
+                         f"{_fmt(alone.get('speedup_vs_a'), '.2f', '×')} | "
                          f"{_fmt(p.get('grpc_overhead', None) and 100 * p['grpc_overhead'], '+.1f', '%')} | "
                          f"{_fmt(s.get('e_grpc_adaptive', {}).get('speedup_vs_grpc_target'), '.2f', '×')} | "
-                         f"{_fmt(d.get('acceptance'), '.2f')} | {_fmt(d.get('mean_draft_len'), '.1f')} | {same} |")
+                         f"{_fmt(d.get('acceptance'), '.2f')} ({_fmt(alone.get('acceptance'), '.2f')}) | "
+                         f"{_fmt(d.get('mean_draft_len'), '.1f')} | {same} |")
         lines.append("")
     budget = result.get("budget") or []
     if budget:
@@ -505,7 +514,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append("")
     split_rows = [(p["temperature"], p["n"], p["systems"][s]["time_split"], s,
                    1000 * p["systems"]["a_batched"]["wall_s"] / p["systems"]["a_batched"]["steps"])
-                  for p in result["points"] for s in ("d_bass_fixed", BASS) if s in p["systems"]]
+                  for p in result["points"] for s in IN_PROCESS_BASS if s in p["systems"]]
     if split_rows:
         lines += ["**Where a BASS call spends its time** (last repeat; prefill counted as target)", "",
                   "| system | temperature | n | rounds | draft | target | Python/other | ms per round "

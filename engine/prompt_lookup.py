@@ -1,0 +1,116 @@
+"""Prompt-lookup proposals: continue a sequence the way it continued the last time its tail occurred.
+
+Code generation copies a lot (identifiers, argument lists, repeated lines, closing brackets), so the last
+few tokens of a sequence often occurred before in its prompt or its own output, followed by what comes
+next (prompt lookup decoding, Saxena 2023; vLLM's and TGI's n-gram speculators). The draft service uses
+such a continuation as the first tokens of its proposal and lets the draft model propose the rest; the
+target verifies them like any other draft tokens.
+
+``PromptNgrams`` indexes a group's prompt once (shared by its n samples); each sample's ``PromptLookup``
+indexes what it generated on top. Both map an n-gram to the position right after its latest occurrence
+that is followed by at least one known token, so a lookup is a dict probe per n, however long the context.
+
+A good draft model beats lookup, a weak one loses to it, and which holds depends on the request, so each
+group (the n samples of one request) keeps score in a ``LookupScore``: whenever the lookup's first token
+and the model's first token of a proposal differ, the token the target then confirmed at that position
+counts for whichever was right, and lookup leads a proposal only once it has been right more often than
+the model (the model goes first: a good draft loses nothing). Both candidates see the same confirmed
+context, so the comparison is fair whichever one was proposed. The choice depends only on earlier
+rounds, so the target's rejection sampling stays exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Ngram = tuple[int, ...]
+DEFAULT_NGRAM_SIZES = (2, 3)  # (min n, max n): the best of those tried on held-out code (models/README.md)
+
+
+def _index(tokens: Sequence[int], offset: int, ends: range, sizes: range, into: dict[Ngram, int]) -> None:
+    """For every end position in ``ends`` and n in ``sizes``, map the n tokens before ``end`` to ``end`` (later
+    ends win). ``tokens[i]`` is the context's token ``offset + i``; it must reach back ``max(sizes)`` before ends."""
+    for end in ends:
+        for n in sizes:
+            if end - n >= offset:
+                into[tuple(tokens[end - n - offset:end - offset])] = end
+
+
+class PromptNgrams:
+    """The n-grams (``min_n`` <= n <= ``max_n``) of one prompt, each mapped to the latest position after it."""
+
+    def __init__(self, prompt: Sequence[int], min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n ({min_n}) <= max_n ({max_n})")
+        self.prompt = list(prompt)
+        self.sizes = range(min_n, max_n + 1)
+        self.latest: dict[Ngram, int] = {}
+        _index(self.prompt, 0, range(len(self.prompt)), self.sizes, self.latest)
+
+
+@dataclass
+class LookupScore:
+    """How often lookup and the draft model were right where their first tokens disagreed (one per group)."""
+
+    lookup_right: int = 0
+    model_right: int = 0
+
+
+class PromptLookup:
+    """One sequence's context (its group's prompt, then the tokens it has confirmed), its proposals, and its
+    share in the group's score of lookup against the draft model."""
+
+    def __init__(self, prompt: PromptNgrams, score: LookupScore) -> None:
+        self.prompt = prompt
+        self.score = score
+        self.generated: list[int] = []
+        self.latest: dict[Ngram, int] = {}  # n-grams ending in the generated part (beyond the prompt's)
+        self._disputed: tuple[int, int] | None = None  # (lookup's, model's) first token of the last proposal
+
+    def __len__(self) -> int:
+        return len(self.prompt.prompt) + len(self.generated)
+
+    def _tokens(self, start: int, stop: int) -> list[int]:
+        """Context tokens ``[start, stop)`` across the prompt/generated boundary."""
+        prompt = self.prompt.prompt
+        head = prompt[start:stop] if start < len(prompt) else []
+        return head + self.generated[max(start - len(prompt), 0):max(stop - len(prompt), 0)]
+
+    def choose(self, found: list[int], model_first: int) -> list[int]:
+        """The lookup tokens ``found`` to lead this proposal when lookup has been right more often than the model,
+        else [] (the model proposes it all); notes a disagreement of the two first tokens for ``settle``."""
+        self._disputed = (found[0], model_first) if found and found[0] != model_first else None
+        return found if self.score.lookup_right > self.score.model_right else []
+
+    def settle(self, confirmed_first: int | None) -> None:
+        """Score the last proposal's disagreement against the token the target confirmed at its first position
+        (None: unknown, e.g. the sequence missed rounds)."""
+        if self._disputed is not None and confirmed_first is not None:
+            self.score.lookup_right += self._disputed[0] == confirmed_first
+            self.score.model_right += self._disputed[1] == confirmed_first
+        self._disputed = None
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append confirmed tokens (accepted by the target) to the context."""
+        before = len(self)
+        self.generated.extend(tokens)
+        first = max(before, len(self.prompt.prompt))  # n-grams ending earlier are indexed already
+        offset = max(first - self.prompt.sizes[-1], 0)
+        # an n-gram ending at `end` is followed by the known token `end`
+        _index(self._tokens(offset, len(self)), offset, range(first, len(self)), self.prompt.sizes, self.latest)
+
+    def propose(self, count: int) -> list[int]:
+        """Up to ``count`` tokens that followed the latest earlier occurrence of the context's last n tokens,
+        trying the longest n first; [] when no tail of ``min_n`` or more tokens occurred before."""
+        length = len(self)
+        if count <= 0:
+            return []
+        for n in reversed(self.prompt.sizes):
+            if n > length:
+                continue
+            tail = tuple(self._tokens(length - n, length))
+            after = self.latest.get(tail, self.prompt.latest.get(tail))
+            if after is not None:
+                return self._tokens(after, min(after + count, length))
+        return []

@@ -1,0 +1,100 @@
+"""Prompt-lookup proposals: the n-gram index against a brute-force search, and greedy BASS with lookup on
+equal to HF greedy decoding of the target (lookup tokens proposed and accepted, the output unchanged)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hf_oracle import greedy
+
+import engine.draft
+from coordinator.draft_length import DraftLength
+from engine.checkpoint import load_checkpoint
+from engine.draft import DraftRuntime
+from engine.prompt_lookup import LookupScore, PromptLookup, PromptNgrams
+from engine.sampling import SamplingParams
+from engine.target import TargetRuntime
+from specserve.bench.speculative import engine_bass
+
+
+def brute_force(context: list[int], count: int, min_n: int, max_n: int) -> list[int]:
+    """The continuation of the latest earlier occurrence of the longest tail of max_n..min_n tokens."""
+    for n in range(max_n, min_n - 1, -1):
+        if len(context) < n:
+            continue
+        tail = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == tail:
+                return context[start + n:start + n + count]
+    return []
+
+
+def test_lookup_equals_a_brute_force_search():
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(400):
+        vocab = rng.choice([2, 3, 5, 20])
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 4)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        lookup = PromptLookup(PromptNgrams(prompt, min_n, max_n), LookupScore())
+        context = list(prompt)
+        for _ in range(10):
+            count = rng.randint(0, 5)
+            expected = brute_force(context, count, min_n, max_n)
+            assert lookup.propose(count) == expected, (prompt, context, count, min_n, max_n)
+            hits += bool(expected)
+            new = [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]
+            lookup.extend(new)
+            context += new
+    assert hits > 500  # most cases found a continuation, across the prompt/generated boundary too
+
+
+def test_ngram_sizes_are_checked():
+    with pytest.raises(ValueError, match="min_n"):
+        PromptNgrams([1, 2], 3, 2)
+
+
+@pytest.mark.parametrize("sizes", [(1, 3), (2, 3)])
+def test_greedy_bass_with_lookup_equals_hf(checkpoints, monkeypatch, sizes):
+    target = TargetRuntime(load_checkpoint(checkpoints["llama"]))
+    draft = DraftRuntime(load_checkpoint(checkpoints["llama_draft"]), prompt_lookup=sizes)
+    found = []
+    propose = engine.draft.PromptLookup.propose
+    monkeypatch.setattr(engine.draft.PromptLookup, "propose",
+                        lambda self, count: found.append(len(out := propose(self, count))) or out)
+    prompt = [7, 30, 31, 9, 40, 7, 30, 31, 9, 40, 7, 30]  # a repeating prompt, as code often is
+    outputs, stats = engine_bass(target, draft, prompt, 3, SamplingParams(), 32, DraftLength(4, 4, adaptive=False))
+    expected = greedy(checkpoints["llama"], prompt, 32, None)
+    assert outputs == [expected] * 3
+    assert sum(found) > 0
+    model_only = DraftRuntime(draft.checkpoint, prompt_lookup=None)
+    _, alone = engine_bass(target, model_only, prompt, 3, SamplingParams(), 32, DraftLength(4, 4, adaptive=False))
+    assert stats.accepted > alone.accepted  # the lookup tokens were right where the random draft is not
+
+
+def test_lookup_off_proposes_with_the_model_alone(checkpoints, monkeypatch):
+    draft = DraftRuntime(load_checkpoint(checkpoints["llama_draft"]), prompt_lookup=None)
+    target = TargetRuntime(load_checkpoint(checkpoints["llama"]))
+    monkeypatch.setattr(engine.draft.PromptLookup, "propose", lambda self, count: pytest.fail("lookup ran"))
+    prompt = [7, 30, 31, 9, 40, 7, 30]
+    outputs, _ = engine_bass(target, draft, prompt, 2, SamplingParams(), 12, DraftLength(3, 3, adaptive=False))
+    assert outputs == [greedy(checkpoints["llama"], prompt, 12, None)] * 2
+
+
+def test_lookup_leads_only_once_it_beat_the_model():
+    score = LookupScore()
+    first, second = (PromptLookup(PromptNgrams([1, 2, 3, 1, 2], 2, 2), score) for _ in range(2))
+    found = first.propose(2)
+    assert found == [3, 1]
+    assert first.choose(found, model_first=9) == []  # no evidence yet: the model proposes
+    first.settle(3)  # the target confirmed the lookup's token
+    assert (score.lookup_right, score.model_right) == (1, 0)
+    assert second.choose(found, model_first=9) == found  # the score is the group's
+    second.settle(9)
+    assert second.choose(found, model_first=9) == []  # 1:1 is a tie: the model again
+    second.settle(None)  # unknown outcome: not scored
+    assert first.choose(found, model_first=3) == []  # no disagreement, nothing to score
+    first.settle(3)
+    assert (score.lookup_right, score.model_right) == (1, 1)
