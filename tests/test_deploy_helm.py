@@ -201,6 +201,8 @@ def test_model_args_parse(default_objects: list[dict[str, Any]], component: str)
     assert (args.device, args.dtype, args.attention, args.attention_backend, args.cuda_graphs) == (
         "cpu", "float32", "bifurcated", "torch", "auto")
     assert (args.kv_budget_mb, args.prefix_cache_mb) == (0, 0)
+    if component == "draft":
+        assert args.prompt_lookup == (2, 3)
     mount = next(m for m in main["volumeMounts"] if m["name"] == "models")
     assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
     volume = next(v for v in deployment(default_objects, component)["spec"]["template"]["spec"]["volumes"]
@@ -407,6 +409,8 @@ def test_probe_code_is_the_image_healthcheck(gpu_objects: list[dict[str, Any]]) 
     ({"tls": {"enabled": True}}, ["/tls/secretName", "minLength"]),
     ({"auth": {"enabled": True}}, ["/auth/existingSecret", "minLength"]),
     ({"target": {"gpus": 1}}, ["/target", "additional properties 'gpus' not allowed"]),
+    ({"draft": {"promptLookup": "2-3"}}, ["/draft/promptLookup", "does not match pattern"]),
+    ({"target": {"promptLookup": "2,3"}}, ["/target", "additional properties 'promptLookup' not allowed"]),
 ])
 def test_schema_rejects_bad_values(values: dict[str, Any], messages: list[str]) -> None:
     with helm.Chart.load(CHART) as chart:

@@ -17,7 +17,8 @@ Recipe (documented with its results in models/README.md):
    a wall-clock budget. ``--init`` continues from an earlier checkpoint (a second stage).
 4. Saved in bf16 (the runtime loads it in fp32), with the target's tokenizer, so it loads on its own.
 5. Evaluated on held-out prompts against the fp32 target: greedy acceptance at k=4 (the simulation of
-   ``train_default_models.acceptance``) and the expected sampled acceptance sum_x min(p(x), q(x)) at T=0.8.
+   ``train_default_models.acceptance``, and through specserve's runtimes with the draft model alone and with
+   prompt lookup) and the expected sampled acceptance sum_x min(p(x), q(x)) at T=0.8.
 
     # the shipped draft (see models/README.md)
     .venv/bin/python tools/distill_draft.py --out models/smollm2-draft --gen-minutes 5 --train-minutes 42 \
@@ -44,8 +45,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_default_models as corpus_rules  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from coordinator.draft_length import DraftLength  # noqa: E402
+from engine.checkpoint import load_checkpoint  # noqa: E402
 from engine.default_models import default_target  # noqa: E402
+from engine.draft import DraftRuntime  # noqa: E402
+from engine.prompt_lookup import DEFAULT_NGRAM_SIZES  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from engine.target import TargetRuntime  # noqa: E402
 from engine.token_map import CATCH_ALL, TokenMap, load_token_map  # noqa: E402
+from specserve.bench.speculative import RunStats, engine_bass  # noqa: E402
 
 # the tiny pair's corpus helpers, shared: progress lines, token ids without special tokens, LR schedule
 log, encode, lr_at = corpus_rules.log, corpus_rules.encode, corpus_rules.lr_at
@@ -266,17 +274,40 @@ def sampled_overlap(target, draft, prompts: list[dict], temperature: float, new_
     return {"temperature": temperature, "positions": count, "expected_acceptance": round(total / count, 4)}
 
 
+def engine_acceptance(draft_dir: Path, prompts: list[dict], k: int, new_tokens: int) -> dict:
+    """Greedy acceptance at fixed k through specserve's own runtimes (fp32, one sample per prompt, the first
+    token from the target's prefill), the draft model alone and with its default prompt lookup."""
+    target = TargetRuntime(load_checkpoint(default_target()))
+    checkpoint = load_checkpoint(draft_dir)
+    result = {}
+    for name, lookup in (("model_alone", None), ("prompt_lookup", DEFAULT_NGRAM_SIZES)):
+        draft = DraftRuntime(checkpoint, prompt_lookup=lookup)
+        total = RunStats()
+        for p in prompts:
+            _, stats = engine_bass(target, draft, p["ids"], 1, SamplingParams(), new_tokens,
+                                   DraftLength(k, k, adaptive=False))
+            total.add(stats)
+        result[name] = {"accepted": total.accepted, "proposed": total.proposed, "rounds": total.rounds,
+                        "acceptance_rate": round(total.accepted / max(1, total.proposed), 4),
+                        "tokens_per_round": round(len(prompts) * (new_tokens - 1) / max(1, total.rounds), 3)}
+        log(f"  engine greedy acceptance at k={k}, {name}: {result[name]['acceptance_rate']}")
+    return {"k": k, "new_tokens_per_prompt": new_tokens, "prompts": len(prompts), "lookup_ngram_sizes":
+            list(DEFAULT_NGRAM_SIZES), **result}
+
+
 def evaluate(target, draft, token_map: TokenMap | None, tokenizer, held: list[tuple[str, str]],
              args: argparse.Namespace) -> dict:
-    """Held-out greedy acceptance at k and sampled acceptance at T=0.8, against the fp32 target."""
+    """Held-out greedy acceptance at k (simulated with HF, and through specserve's runtimes without and with
+    prompt lookup) and sampled acceptance at T=0.8, against the fp32 target."""
     prompts = corpus_rules.make_prompts(tokenizer, held, args.eval_prompts)
     log(f"evaluating on {len(prompts)} held-out prompts")
     draft_greedy = None if token_map is None else mapped_greedy(draft, token_map)
     greedy = corpus_rules.acceptance(target, draft, prompts, k=args.k, n_new=64, draft_greedy=draft_greedy)
     log(f"  greedy acceptance at k={args.k}: {greedy['acceptance_rate']}")
+    engine = engine_acceptance(Path(args.out), prompts, args.k, 64)
     sampled = sampled_overlap(target, draft, prompts[: args.eval_sampled], 0.8, 64, args.seed, token_map)
     log(f"  expected sampled acceptance at T=0.8: {sampled['expected_acceptance']}")
-    result = {"greedy": greedy, "sampled": sampled}
+    result = {"greedy": greedy, "engine_greedy": engine, "sampled": sampled}
     if token_map is not None:
         held_ids = training_stream(tokenizer, held, int(target.config.eos_token_id))
         inside = token_map.to_draft(held_ids.long()) != token_map.catch_all_row

@@ -56,6 +56,10 @@ spec:
             - {{ $values.prefixCacheMb | toString | quote }}
             - --session-ttl
             - {{ $values.sessionTtl | toString | quote }}
+            {{- if eq .component "draft" }}
+            - --prompt-lookup
+            - {{ $values.promptLookup | quote }}
+            {{- end }}
             {{- range $values.extraArgs }}
             - {{ . | quote }}
             {{- end }}
