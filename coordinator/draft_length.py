@@ -6,9 +6,14 @@ sequence); if fewer than a quarter did, k shrinks by one (most proposals were pa
 k stays. k stays in [1, maximum]. Following the median sequence, not the best or the worst, means a
 single slow sequence cannot stall the rest and a single lucky one cannot inflate k for everyone —
 with greedy decoding and a good draft k climbs, with high-temperature sampling it settles low.
+
+With a ``SpeculationGate`` (``coordinator.speculation_gate``) a round may also propose nothing (k = 0: a
+plain decode step) while plain rounds emit tokens faster than speculative ones.
 """
 
 from __future__ import annotations
+
+from coordinator.speculation_gate import SpeculationGate
 
 GROW_SHARE = 0.5
 SHRINK_SHARE = 0.25
@@ -17,15 +22,24 @@ SHRINK_SHARE = 0.25
 class DraftLength:
     """The draft length to propose this round; fixed when ``adaptive`` is False."""
 
-    def __init__(self, initial: int, maximum: int, adaptive: bool = True) -> None:
+    def __init__(self, initial: int, maximum: int, adaptive: bool = True, gate: SpeculationGate | None = None
+                 ) -> None:
         if not 1 <= initial <= maximum:
             raise ValueError(f"need 1 <= initial draft length ({initial}) <= maximum ({maximum})")
         self.k = initial
         self.maximum = maximum
         self.adaptive = adaptive
+        self.gate = gate
 
-    def update(self, proposed: int, accepted: list[int]) -> int:
-        """Record a round's per-sequence accepted lengths for a proposal of ``proposed`` tokens; returns the next k."""
+    def for_round(self) -> int:
+        """The k to propose in the next round: ``k``, or 0 where the gate runs a plain decode round."""
+        return self.k if self.gate is None or self.gate.speculate() else 0
+
+    def update(self, proposed: int, accepted: list[int], seconds: float = 0.0) -> int:
+        """Record a round's per-sequence accepted lengths for a proposal of ``proposed`` tokens (0: a plain round)
+        and its wall time (for the gate); returns the next speculative k."""
+        if self.gate is not None:
+            self.gate.record(proposed > 0, sum(accepted) + len(accepted), seconds)
         if self.adaptive and proposed and accepted:
             full = sum(a >= proposed for a in accepted) / len(accepted)
             if full >= GROW_SHARE:

@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 from coordinator.draft_length import DraftLength
 from coordinator.model_clients import ModelEndpoint, check_compatible
@@ -35,7 +36,7 @@ class Router:
     """The coordinator's replicas and their schedulers."""
 
     def __init__(self, targets: ReplicaPool, drafts: ReplicaPool | None, config: SchedulerConfig,
-                 draft_length: tuple[int, int, bool], metrics: CoordinatorMetrics | None = None,
+                 draft_length: Callable[[], DraftLength], metrics: CoordinatorMetrics | None = None,
                  prefix_affinity_slack: int = 16) -> None:
         self.targets = targets
         self.prefix_affinity_slack = prefix_affinity_slack
@@ -85,8 +86,7 @@ class Router:
         return min(e.info.max_context for e in endpoints)
 
     def _add_scheduler(self, target: ModelEndpoint) -> None:
-        initial, maximum, adaptive = self._draft_length
-        scheduler = Scheduler(target, self.drafts, DraftLength(initial, maximum, adaptive), self.config,
+        scheduler = Scheduler(target, self.drafts, self._draft_length(), self.config,
                               self.reroute, self.metrics)
         self.schedulers[target.address] = scheduler
         self._tasks[target.address] = asyncio.create_task(scheduler.run())

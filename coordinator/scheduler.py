@@ -365,7 +365,7 @@ class Scheduler:
                 self._batch_tokens -= self._tokens(request)
         live = self._live()
         draft = self.draft
-        k = self.draft_length.k if draft is not None else 0
+        k = self.draft_length.for_round() if draft is not None else 0
         # A round serves many requests: a root span of its own, linked to the span of each request in it.
         in_round = [r for r in self._running
                     if r.span is not None and any(s.sequence_id in self._held for s in r.samples)]
@@ -381,7 +381,9 @@ class Scheduler:
                          draft: ModelEndpoint | None, k: int) -> None:
         metadata = telemetry.inject_metadata(span)
         proposals = [model_pb2.Proposal(sequence_id=sid) for sid in live]
-        if draft is not None:
+        start = time.monotonic()
+        skip_draft = draft is not None and k == 0  # a plain round: the draft hears of its tokens next time
+        if draft is not None and not skip_draft:
             updates = [model_pb2.SequenceUpdate(sequence_id=sid, accepted_len=self._updates[sid][0],
                                                 next_token_id=self._updates[sid][1],
                                                 catch_up_token_ids=self._catch_up.pop(sid, []))
@@ -404,15 +406,17 @@ class Scheduler:
             self.target.healthy = False
             await self._fail_running(self._status(error, self.target))
             return
-        tokens_proposed, tokens_accepted = self._apply(proposals, verified.verdicts, k)
+        tokens_proposed, tokens_accepted = self._apply(proposals, verified.verdicts, k, skip_draft,
+                                                       time.monotonic() - start)
         self.metrics.round_done(len(live), tokens_proposed, tokens_accepted)
         span.set_attributes({"specserve.draft_len": k, "specserve.tokens_proposed": tokens_proposed,
                              "specserve.tokens_accepted": tokens_accepted, "specserve.kv_bytes": verified.kv_bytes})
 
-    def _apply(self, proposals: list[model_pb2.Proposal], verdicts: list[model_pb2.Verdict], k: int
-               ) -> tuple[int, int]:
+    def _apply(self, proposals: list[model_pb2.Proposal], verdicts: list[model_pb2.Verdict], k: int,
+               skipped_draft: bool, seconds: float) -> tuple[int, int]:
         """Extend each sample by its verdict and complete finished requests; returns the round's
-        (draft tokens proposed, accepted) over its verdicts."""
+        (draft tokens proposed, accepted) over its verdicts. After a round that ``skipped_draft``, each
+        sequence's update still answers its last proposal and the tokens since queue as catch-up."""
         proposed = {p.sequence_id: list(p.token_ids) for p in proposals}
         wire = {p.sequence_id: p.ByteSize() for p in proposals} if k else {}
         tokens_proposed = tokens_accepted = 0
@@ -422,7 +426,12 @@ class Scheduler:
             request, sample = self._samples[verdict.sequence_id]
             tokens = proposed[verdict.sequence_id]
             accepted_lens.append(verdict.accepted_len)
-            self._updates[verdict.sequence_id] = (verdict.accepted_len, verdict.next_token_id)
+            if skipped_draft:
+                answered, previous = self._updates[verdict.sequence_id]
+                self._catch_up.setdefault(verdict.sequence_id, []).append(previous)
+                self._updates[verdict.sequence_id] = (answered, verdict.next_token_id)
+            else:
+                self._updates[verdict.sequence_id] = (verdict.accepted_len, verdict.next_token_id)
             request.usage.draft_tokens_proposed += len(tokens)
             request.usage.draft_tokens_accepted += verdict.accepted_len
             request.usage.draft_proposal_bytes += wire.get(verdict.sequence_id, 0)
@@ -435,7 +444,7 @@ class Scheduler:
         for request in self._running:
             if request.finished:
                 request.complete()
-        self.draft_length.update(k, accepted_lens)
+        self.draft_length.update(k, accepted_lens, seconds)
         return tokens_proposed, tokens_accepted
 
     async def _fail_running(self, status: tuple[grpc.StatusCode, str]) -> None:

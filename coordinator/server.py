@@ -14,10 +14,12 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator.auth import BearerTokenInterceptor
 from coordinator.discovery import parse_endpoint_spec
+from coordinator.draft_length import DraftLength
 from coordinator.replicas import ReplicaPool
 from coordinator.router import Router
 from coordinator.scheduler import SchedulerConfig
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+from coordinator.speculation_gate import SpeculationGate
 from specserve import telemetry
 from specserve.grpc_server import CHANNEL_OPTIONS, bind
 from specserve.metrics import CoordinatorMetrics, start_metrics_server
@@ -45,8 +47,18 @@ async def serve_coordinator(args: argparse.Namespace) -> int:
     config = SchedulerConfig(max_batch_sequences=args.max_batch_sequences, max_batch_tokens=args.max_batch_tokens,
                              max_queue=args.max_queue, model_timeout_s=args.model_timeout,
                              draft_timeout_s=args.draft_timeout)
-    router = Router(targets, drafts, config, (args.draft_len, args.max_draft_len, not args.fixed_draft_len),
-                    metrics, prefix_affinity_slack=args.prefix_affinity_slack)
+
+    def draft_length() -> DraftLength:  # one per target replica's scheduler
+        gated = not (args.fixed_draft_len or args.always_speculate)
+        return DraftLength(args.draft_len, args.max_draft_len, not args.fixed_draft_len,
+                           SpeculationGate(args.speculation_probe_every) if gated else None)
+
+    try:
+        draft_length()  # flags that cannot work end the process before anything connects
+    except ValueError as error:
+        raise SystemExit(f"specserve serve coordinator: {error}") from None
+
+    router = Router(targets, drafts, config, draft_length, metrics, prefix_affinity_slack=args.prefix_affinity_slack)
     await router.start(args.connect_timeout)
     interceptors = []
     if args.auth_token_file:

@@ -226,6 +226,7 @@ def test_coordinator_discovers_replicas_through_endpointslices(default_objects: 
     # the settings come from the ConfigMap
     assert (args.max_n, args.max_batch_sequences, args.max_queue) == (64, 64, 256)
     assert (args.draft_len, args.max_draft_len, args.fixed_draft_len) == (4, 8, False)
+    assert (args.always_speculate, args.speculation_probe_every) == (False, 16)
     assert args.max_batch_tokens == 0 and args.prefix_affinity_slack == 16
     assert args.auth_token_file is None and args.tls_cert is None
     discovery = pytest.importorskip("coordinator.discovery")
@@ -409,6 +410,7 @@ def test_probe_code_is_the_image_healthcheck(gpu_objects: list[dict[str, Any]]) 
     ({"tls": {"enabled": True}}, ["/tls/secretName", "minLength"]),
     ({"auth": {"enabled": True}}, ["/auth/existingSecret", "minLength"]),
     ({"target": {"gpus": 1}}, ["/target", "additional properties 'gpus' not allowed"]),
+    ({"coordinator": {"settings": {"speculationProbeEvery": 1}}}, ["speculationProbeEvery", "minimum: got 1, want 2"]),
     ({"draft": {"promptLookup": "2-3"}}, ["/draft/promptLookup", "does not match pattern"]),
     ({"target": {"promptLookup": "2,3"}}, ["/target", "additional properties 'promptLookup' not allowed"]),
 ])

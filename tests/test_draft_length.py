@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.draft_length import DraftLength
+from coordinator.speculation_gate import SpeculationGate
 
 
 def test_grows_when_most_sequences_take_everything_and_stays_bounded():
@@ -36,3 +37,40 @@ def test_rejects_bad_bounds():
         DraftLength(0, 4)
     with pytest.raises(ValueError):
         DraftLength(5, 4)
+
+
+def run_rounds(gate: SpeculationGate, rounds: int, speculative_rate: float, plain_rate: float) -> list[bool]:
+    """Run ``rounds`` rounds at the given tokens per second of each kind; returns which kind each round was."""
+    kinds = []
+    for _ in range(rounds):
+        speculative = gate.speculate()
+        kinds.append(speculative)
+        gate.record(speculative, 8, 8 / (speculative_rate if speculative else plain_rate))
+    return kinds
+
+
+def test_gate_runs_the_faster_kind_and_probes_the_other():
+    gate = SpeculationGate(probe_every=4)
+    assert run_rounds(gate, 8, speculative_rate=200.0, plain_rate=100.0) == [True, True, True, False] * 2
+    kinds = run_rounds(gate, 16, speculative_rate=50.0, plain_rate=100.0)  # speculation stopped paying
+    assert kinds[-8:] == [False, False, False, True] * 2  # plain rounds, a speculative probe every 4th
+    kinds = run_rounds(gate, 24, speculative_rate=400.0, plain_rate=100.0)  # it pays again: back to it
+    assert kinds[-8:] == [True, True, True, False] * 2
+
+
+def test_draft_length_with_a_gate_proposes_nothing_in_plain_rounds():
+    gate = SpeculationGate(probe_every=2)
+    rule = DraftLength(3, 8, gate=gate)
+    assert rule.for_round() == 3
+    rule.update(3, [3, 3], seconds=1.0)  # k grows to 4 ...
+    assert rule.for_round() == 0  # ... but this round probes plain decoding
+    assert rule.update(0, [0, 0], seconds=0.1) == 4  # a plain round leaves k alone
+    assert gate.rate == {True: 8.0, False: 20.0}
+    assert DraftLength(3, 8).for_round() == 3  # no gate: always k
+
+
+def test_gate_rejects_bad_settings():
+    with pytest.raises(ValueError, match="probe_every"):
+        SpeculationGate(probe_every=1)
+    with pytest.raises(ValueError, match="smoothing"):
+        SpeculationGate(smoothing=0.0)

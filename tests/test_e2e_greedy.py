@@ -114,3 +114,28 @@ def test_stop_string_truncates(deployments):
     assert cut.text == full.text[: full.text.index(stop)]
     assert list(cut.token_ids) == list(full.token_ids[: len(cut.token_ids)])
     assert len(cut.token_ids) < len(full.token_ids)
+
+
+def test_plain_rounds_between_speculative_ones(deployments, checkpoints):
+    """With a probe every 2nd round, plain decode rounds (no draft call) alternate with speculative ones: the
+    draft catches up on the plain rounds' tokens, so a draft that is the target itself still has nearly
+    everything it proposes accepted, and the output is still HF's."""
+    deployment = deployments("llama", "llama", "--speculation-probe-every", "2")
+    stub = coordinator_stub(deployment.coordinator_address)
+    jobs = [(prompt, (1, 3)[i % 2]) for i, prompt in enumerate(prompts())]
+
+    def run(job):
+        prompt, n = job
+        request = coordinator_pb2.GenerateRequest(prompt_token_ids=prompt, n=n, max_new_tokens=MAX_NEW,
+                                                  ignore_eos=True)
+        return stub.Generate(request, timeout=300)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        responses = list(pool.map(run, jobs))
+    for (prompt, _), response in zip(jobs, responses, strict=True):
+        expected = greedy(checkpoints["llama"], prompt, MAX_NEW, None)
+        assert all(list(c.token_ids) == expected for c in response.completions)
+        usage = response.usage
+        # speculation alone needs 9 rounds for 64 tokens (k = 4, 5, ..., 8 all accepted): plain rounds ran too
+        assert usage.rounds >= 12
+        assert usage.draft_tokens_accepted >= 0.9 * usage.draft_tokens_proposed > 0

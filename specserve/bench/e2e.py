@@ -7,7 +7,8 @@ in one run, for every n (samples per prompt) and temperature, it times:
 * ``b_hf_generate``: HF transformers ``generate`` for the n samples in one batch;
 * ``c_hf_assisted``: HF assisted generation (``assistant_model=`` the draft), the n samples one after another;
 * ``d_bass_fixed`` / ``d_bass_adaptive``: specserve BASS in-process (DraftRuntime + TargetRuntime), draft
-  length fixed at ``--draft-len`` or adapted by ``coordinator.draft_length`` up to ``--max-draft-len``;
+  length fixed at ``--draft-len`` or adapted by ``coordinator.draft_length`` up to ``--max-draft-len``, with
+  plain decode rounds while the coordinator's speculation gate finds them faster;
 * ``d_bass_model_only``: as ``d_bass_adaptive`` with the draft's prompt lookup off (the draft model alone);
 * ``e_grpc_adaptive``: specserve over its three gRPC services (one Generate request with n samples);
 * ``e_grpc_target``: specserve over gRPC without a draft (coordinator + target: the served baseline).
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 
 from coordinator.draft_length import DraftLength
+from coordinator.speculation_gate import SpeculationGate
 from engine.checkpoint import load_checkpoint
 from engine.device import resolve_device
 from engine.draft import DraftRuntime
@@ -175,7 +177,9 @@ class Harness:
             elif system == "c_hf_assisted":
                 out, stats = hf_assisted(self.target.model, self.assistant, prompt, n, temperature, max_new, a.seed)
             elif system in IN_PROCESS_BASS:
-                length = DraftLength(a.draft_len, max(a.draft_len, a.max_draft_len), system != "d_bass_fixed")
+                adaptive = system != "d_bass_fixed"  # adaptive systems are gated, as in the coordinator
+                length = DraftLength(a.draft_len, max(a.draft_len, a.max_draft_len), adaptive,
+                                     SpeculationGate() if adaptive else None)
                 draft = self.model_only_runtime if system == "d_bass_model_only" else self.draft_runtime
                 out, stats = engine_bass(self.target_runtime, draft, prompt, n, params, max_new, length)
             elif system in GRPC_SYSTEMS:
@@ -352,6 +356,7 @@ def _point(temperature: float, n: int, m: int, num_prompts: int, samples: dict[s
         if system.startswith("d_"):
             entry["time_split"] = _split(stats)
             entry["mean_draft_len"] = statistics.mean(stats.draft_lens) if stats.draft_lens else 0.0
+            entry["plain_rounds"] = stats.draft_lens.count(0)
         if system == "a_batched":
             entry["steps"] = stats.rounds + num_prompts  # verify steps + prefills
         point["systems"][system] = entry
@@ -468,7 +473,7 @@ def markdown(result: dict[str, Any]) -> str:
                                                      for s in systems) + " |")
         lines += ["", f"**Ratios, {title}** (speed-up = other wall / BASS wall; tokens/s of all n samples)", "",
                   "| n | BASS tok/s | BASS vs (a) | BASS vs (b) | BASS vs (c) | fixed-k vs (a) | no lookup vs (a) "
-                  "| gRPC overhead (e)/(d) | gRPC BASS vs gRPC target | acceptance (no lookup) | mean k "
+                  "| gRPC overhead (e)/(d) | gRPC BASS vs gRPC target | acceptance (no lookup) | mean k (plain rounds) "
                   "| greedy (d),(e) = (a) |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for p in points:
@@ -487,7 +492,7 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{_fmt(p.get('grpc_overhead', None) and 100 * p['grpc_overhead'], '+.1f', '%')} | "
                          f"{_fmt(s.get('e_grpc_adaptive', {}).get('speedup_vs_grpc_target'), '.2f', '×')} | "
                          f"{_fmt(d.get('acceptance'), '.2f')} ({_fmt(alone.get('acceptance'), '.2f')}) | "
-                         f"{_fmt(d.get('mean_draft_len'), '.1f')} | {same} |")
+                         f"{_fmt(d.get('mean_draft_len'), '.1f')} ({d.get('plain_rounds', '–')}) | {same} |")
         lines.append("")
     budget = result.get("budget") or []
     if budget:

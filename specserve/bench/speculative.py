@@ -77,10 +77,10 @@ def engine_bass(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], n
                 max_new_tokens: int, length: DraftLength) -> tuple[list[list[int]], RunStats]:
     """System (d): batched speculative decoding in-process, the coordinator's round loop without gRPC.
 
-    Each round the draft proposes ``length.k`` tokens per live sequence and the target verifies them all in
-    one pass; ``length`` is updated from the round's accepted lengths (adaptive or fixed). Sequences leave
-    the batch once they have ``max_new_tokens`` tokens (surplus accepted tokens are dropped, as the
-    coordinator does). Greedy output equals the target's greedy decoding.
+    Each round the draft proposes ``length.for_round()`` tokens per live sequence (0 in a plain round) and the
+    target verifies them all in one pass; ``length`` is updated from the round's accepted lengths and time.
+    Sequences leave the batch once they have ``max_new_tokens`` tokens (surplus accepted tokens are dropped,
+    as the coordinator does). Greedy output equals the target's greedy decoding.
     """
     stats = RunStats()
     start = time.perf_counter()
@@ -96,7 +96,7 @@ def engine_bass(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], n
     finished: list[int] = []
     try:
         while live:
-            k = length.k
+            k = length.for_round()  # 0: a plain decode round (the gate found speculation slower)
             t0 = time.perf_counter()
             proposals = draft.propose(batch_id, {sid: updates[sid] for sid in live}, k, release=finished)
             t1 = time.perf_counter()
@@ -122,7 +122,7 @@ def engine_bass(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], n
                 if len(seq) >= max_new_tokens:
                     finished.append(sid)
             live = [sid for sid in live if sid not in set(finished)]
-            length.update(k, accepted)
+            length.update(k, accepted, t2 - t0)
     finally:
         target.release(batch_id)
         draft.release(batch_id)
