@@ -49,7 +49,7 @@ async def serve_coordinator(args: argparse.Namespace) -> int:
                              draft_timeout_s=args.draft_timeout)
 
     def draft_length() -> DraftLength:  # one per target replica's scheduler
-        gated = not (args.fixed_draft_len or args.always_speculate)
+        gated = args.speculation_gate and not args.fixed_draft_len
         return DraftLength(args.draft_len, args.max_draft_len, not args.fixed_draft_len,
                            SpeculationGate(args.speculation_probe_every) if gated else None)
 

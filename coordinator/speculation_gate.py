@@ -8,6 +8,10 @@ draft call, one target decode step), runs the better kind, and every ``probe_eve
 kind once to keep its figure current. It starts speculating, and probes plain decoding after its first
 ``probe_every`` rounds. A plain round leaves the output unchanged: greedy output stays the target's, and a
 sampled token comes from the target's distribution either way.
+
+Opt-in (``serve coordinator --speculation-gate``). Its known weakness: the figure for speculation is set by
+whatever speculative rounds ran, and a request's first rounds, before the draft's prompt lookup has earned
+trust, are its worst, so with short requests it can run plain rounds where speculation would have paid.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 Ngram = tuple[int, ...]
-DEFAULT_NGRAM_SIZES = (2, 3)  # (min n, max n): the best of those tried on held-out code (models/README.md)
+DEFAULT_NGRAM_SIZES = (2, 3)  # (min n, max n): single tokens match too often to predict, longer tails seldom recur
 
 
 def _index(tokens: Sequence[int], offset: int, ends: range, sizes: range, into: dict[Ngram, int]) -> None:

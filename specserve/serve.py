@@ -88,9 +88,9 @@ def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-len", type=int, default=4, help="initial draft length k")
     parser.add_argument("--max-draft-len", type=int, default=8, help="upper bound of the adaptive draft length")
     parser.add_argument("--fixed-draft-len", action="store_true", help="keep k = --draft-len every round")
-    parser.add_argument("--always-speculate", action="store_true",
-                        help="never run plain decode rounds, even while they emit tokens faster than speculative "
-                             "rounds (by default the coordinator measures both and runs the faster)")
+    parser.add_argument("--speculation-gate", action="store_true",
+                        help="measure plain decode rounds against speculative ones and run the faster kind (off by "
+                             "default: on the default pair it helps at T = 0.8 and costs greedy, docs/benchmarks.md)")
     parser.add_argument("--speculation-probe-every", type=int, default=PROBE_EVERY,
                         help="every N-th round runs the slower kind (plain or speculative) once to re-measure it")
     parser.add_argument("--model-timeout", type=float, default=60.0,

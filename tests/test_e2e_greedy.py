@@ -120,7 +120,7 @@ def test_plain_rounds_between_speculative_ones(deployments, checkpoints):
     """With a probe every 2nd round, plain decode rounds (no draft call) alternate with speculative ones: the
     draft catches up on the plain rounds' tokens, so a draft that is the target itself still has nearly
     everything it proposes accepted, and the output is still HF's."""
-    deployment = deployments("llama", "llama", "--speculation-probe-every", "2")
+    deployment = deployments("llama", "llama", "--speculation-gate", "--speculation-probe-every", "2")
     stub = coordinator_stub(deployment.coordinator_address)
     jobs = [(prompt, (1, 3)[i % 2]) for i, prompt in enumerate(prompts())]
 

@@ -7,9 +7,9 @@ in one run, for every n (samples per prompt) and temperature, it times:
 * ``b_hf_generate``: HF transformers ``generate`` for the n samples in one batch;
 * ``c_hf_assisted``: HF assisted generation (``assistant_model=`` the draft), the n samples one after another;
 * ``d_bass_fixed`` / ``d_bass_adaptive``: specserve BASS in-process (DraftRuntime + TargetRuntime), draft
-  length fixed at ``--draft-len`` or adapted by ``coordinator.draft_length`` up to ``--max-draft-len``, with
-  plain decode rounds while the coordinator's speculation gate finds them faster;
+  length fixed at ``--draft-len`` or adapted by ``coordinator.draft_length`` up to ``--max-draft-len``;
 * ``d_bass_model_only``: as ``d_bass_adaptive`` with the draft's prompt lookup off (the draft model alone);
+* ``d_bass_gated``: as ``d_bass_adaptive`` with the speculation gate (``coordinator.speculation_gate``);
 * ``e_grpc_adaptive``: specserve over its three gRPC services (one Generate request with n samples);
 * ``e_grpc_target``: specserve over gRPC without a draft (coordinator + target: the served baseline).
 
@@ -56,10 +56,11 @@ SYSTEMS: dict[str, str] = {
     "d_bass_fixed": "(d) BASS in-process, fixed k",
     "d_bass_adaptive": "(d) BASS in-process, adaptive k",
     "d_bass_model_only": "(d) BASS in-process, adaptive k, draft model alone (no prompt lookup)",
+    "d_bass_gated": "(d) BASS in-process, adaptive k, speculation gate (plain rounds where faster)",
     "e_grpc_adaptive": "(e) BASS over gRPC, adaptive k",
     "e_grpc_target": "(e) target only over gRPC",
 }
-IN_PROCESS_BASS = ("d_bass_fixed", "d_bass_adaptive", "d_bass_model_only")
+IN_PROCESS_BASS = ("d_bass_fixed", "d_bass_adaptive", "d_bass_model_only", "d_bass_gated")
 GRPC_SYSTEMS = {"e_grpc_adaptive": True, "e_grpc_target": False}  # system -> deployment has a draft
 BASS = "d_bass_adaptive"  # the configuration the bars are judged on (the coordinator's default)
 
@@ -177,9 +178,8 @@ class Harness:
             elif system == "c_hf_assisted":
                 out, stats = hf_assisted(self.target.model, self.assistant, prompt, n, temperature, max_new, a.seed)
             elif system in IN_PROCESS_BASS:
-                adaptive = system != "d_bass_fixed"  # adaptive systems are gated, as in the coordinator
-                length = DraftLength(a.draft_len, max(a.draft_len, a.max_draft_len), adaptive,
-                                     SpeculationGate() if adaptive else None)
+                length = DraftLength(a.draft_len, max(a.draft_len, a.max_draft_len), system != "d_bass_fixed",
+                                     SpeculationGate() if system == "d_bass_gated" else None)
                 draft = self.model_only_runtime if system == "d_bass_model_only" else self.draft_runtime
                 out, stats = engine_bass(self.target_runtime, draft, prompt, n, params, max_new, length)
             elif system in GRPC_SYSTEMS:
@@ -473,9 +473,10 @@ def markdown(result: dict[str, Any]) -> str:
                                                      for s in systems) + " |")
         lines += ["", f"**Ratios, {title}** (speed-up = other wall / BASS wall; tokens/s of all n samples)", "",
                   "| n | BASS tok/s | BASS vs (a) | BASS vs (b) | BASS vs (c) | fixed-k vs (a) | no lookup vs (a) "
-                  "| gRPC overhead (e)/(d) | gRPC BASS vs gRPC target | acceptance (no lookup) | mean k (plain rounds) "
+                  "| gated vs (a) (plain rounds) "
+                  "| gRPC overhead (e)/(d) | gRPC BASS vs gRPC target | acceptance (no lookup) | mean k "
                   "| greedy (d),(e) = (a) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for p in points:
             s = p["systems"]
             d = s.get(BASS, {})
@@ -484,15 +485,17 @@ def markdown(result: dict[str, Any]) -> str:
                                                                            "c_hf_assisted")]
             fixed = s.get("d_bass_fixed", {}).get("speedup_vs_a")
             alone = s.get("d_bass_model_only", {})
+            gated = s.get("d_bass_gated", {})
             same = "–" if temperature else ("yes" if all(s[x]["identical_to_a"] for x in s
                                                          if x.startswith(("d_", "e_"))) else "**no**")
             lines.append(f"| {p['n']} | {_fmt(d.get('tokens_per_s'), '.0f')} | {_fmt(vs[0], '.2f', '×')} | "
                          f"{_fmt(vs[1], '.2f', '×')} | {_fmt(vs[2], '.2f', '×')} | {_fmt(fixed, '.2f', '×')} | "
                          f"{_fmt(alone.get('speedup_vs_a'), '.2f', '×')} | "
+                         f"{_fmt(gated.get('speedup_vs_a'), '.2f', '×')} ({gated.get('plain_rounds', '–')}) | "
                          f"{_fmt(p.get('grpc_overhead', None) and 100 * p['grpc_overhead'], '+.1f', '%')} | "
                          f"{_fmt(s.get('e_grpc_adaptive', {}).get('speedup_vs_grpc_target'), '.2f', '×')} | "
                          f"{_fmt(d.get('acceptance'), '.2f')} ({_fmt(alone.get('acceptance'), '.2f')}) | "
-                         f"{_fmt(d.get('mean_draft_len'), '.1f')} ({d.get('plain_rounds', '–')}) | {same} |")
+                         f"{_fmt(d.get('mean_draft_len'), '.1f')} | {same} |")
         lines.append("")
     budget = result.get("budget") or []
     if budget:
