@@ -30,6 +30,7 @@ class DraftServicer(ModelServicer, model_pb2_grpc.DraftModelServicer):
                                                list(request.release_sequence_ids))
             kv_bytes = runtime.kv_bytes_in_use()
             span.set_attributes({"specserve.tokens_proposed": sum(len(p.token_ids) for p in proposals),
+                                 "specserve.prompt_lookup_tokens": sum(p.lookup_tokens for p in proposals),
                                  "specserve.kv_bytes": kv_bytes})
         return model_pb2.ProposeResponse(
             proposals=[

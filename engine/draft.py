@@ -24,11 +24,13 @@ from engine.sampling import CompactDistribution, draft_distribution, point_distr
 
 @dataclass
 class DraftProposal:
-    """k proposed tokens of one sequence and, when sampling, the distribution each was drawn from."""
+    """k proposed tokens of one sequence and, when sampling, the distribution each was drawn from; the first
+    ``lookup_tokens`` of them came from prompt lookup."""
 
     sequence_id: int
     token_ids: list[int]
     distributions: list[CompactDistribution]
+    lookup_tokens: int = 0
 
 
 def apply_verdict(state: SequenceState, accepted_len: int, next_token: int,
@@ -137,6 +139,7 @@ class DraftRuntime(ModelRuntime):
                 if step + 1 < draft_len:
                     tokens, widths = drawn[:, None], torch.ones(len(states), dtype=torch.long)
             # The last proposed token was never fed: the next round's window starts with it if accepted.
-            for state, proposal in zip(states, proposals, strict=True):
+            for state, proposal, found in zip(states, proposals, looked_up, strict=True):
                 state.proposed = list(proposal.token_ids)
+                proposal.lookup_tokens = len(found)
             return proposals

@@ -64,11 +64,20 @@ def test_greedy_bass_with_lookup_equals_hf(checkpoints, monkeypatch, sizes):
     propose = engine.draft.PromptLookup.propose
     monkeypatch.setattr(engine.draft.PromptLookup, "propose",
                         lambda self, count: found.append(len(out := propose(self, count))) or out)
+    led = []
+    draft_propose = draft.propose
+
+    def counting_propose(*args, **kwargs):
+        proposals = draft_propose(*args, **kwargs)
+        led.extend(p.lookup_tokens for p in proposals)
+        return proposals
+
+    monkeypatch.setattr(draft, "propose", counting_propose)
     prompt = [7, 30, 31, 9, 40, 7, 30, 31, 9, 40, 7, 30]  # a repeating prompt, as code often is
     outputs, stats = engine_bass(target, draft, prompt, 3, SamplingParams(), 32, DraftLength(4, 4, adaptive=False))
     expected = greedy(checkpoints["llama"], prompt, 32, None)
     assert outputs == [expected] * 3
-    assert sum(found) > 0
+    assert sum(found) > 0 and sum(led) > 0  # lookup found continuations, and led proposals with them
     model_only = DraftRuntime(draft.checkpoint, prompt_lookup=None)
     _, alone = engine_bass(target, model_only, prompt, 3, SamplingParams(), 32, DraftLength(4, 4, adaptive=False))
     assert stats.accepted > alone.accepted  # the lookup tokens were right where the random draft is not

@@ -100,6 +100,7 @@ def test_span_token_counts_equal_usage(traced):
     assert total("target.verify", "specserve.tokens_accepted") == usage.draft_tokens_accepted
     assert total("coordinator.round", "specserve.tokens_proposed") == usage.draft_tokens_proposed
     assert total("coordinator.round", "specserve.tokens_accepted") == usage.draft_tokens_accepted
+    assert 0 <= total("draft.propose", "specserve.prompt_lookup_tokens") <= usage.draft_tokens_proposed
 
 
 def test_waterfall_names_every_service(traced, tmp_path: Path):
