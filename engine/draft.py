@@ -17,7 +17,7 @@ import torch
 from engine.batch import GroupInput, SequenceState, pad_windows
 from engine.checkpoint import Checkpoint
 from engine.errors import InvalidInput
-from engine.prompt_lookup import DEFAULT_NGRAM_SIZES, LookupScore, PromptLookup, PromptNgrams
+from engine.prompt_lookup import DEFAULT_NGRAM_SIZES, LookupScore, PromptLookup, PromptNgrams, check_ngram_sizes
 from engine.runtime import ModelRuntime
 from engine.sampling import CompactDistribution, draft_distribution, point_distribution, process_logits, sample
 
@@ -70,8 +70,8 @@ class DraftRuntime(ModelRuntime):
                  **runtime_options: object) -> None:
         """A draft runtime (options as ``ModelRuntime``); ``prompt_lookup`` (min n, max n) starts proposals with
         prompt-lookup continuations of n-grams of those sizes, None proposes with the model alone."""
-        if prompt_lookup is not None and not 1 <= prompt_lookup[0] <= prompt_lookup[1]:
-            raise ValueError(f"prompt lookup needs 1 <= min n <= max n, got {prompt_lookup}")
+        if prompt_lookup is not None:
+            check_ngram_sizes(*prompt_lookup)
         super().__init__(checkpoint, **runtime_options)
         self.prompt_lookup = prompt_lookup
 

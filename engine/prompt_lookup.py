@@ -28,6 +28,12 @@ Ngram = tuple[int, ...]
 DEFAULT_NGRAM_SIZES = (2, 3)  # (min n, max n): single tokens match too often to predict, longer tails seldom recur
 
 
+def check_ngram_sizes(min_n: int, max_n: int) -> None:
+    """Raise ValueError unless 1 <= ``min_n`` <= ``max_n``: the n-gram sizes prompt lookup can use."""
+    if not 1 <= min_n <= max_n:
+        raise ValueError(f"prompt lookup needs 1 <= min_n ({min_n}) <= max_n ({max_n})")
+
+
 def _index(tokens: Sequence[int], offset: int, ends: range, sizes: range, into: dict[Ngram, int]) -> None:
     """For every end position in ``ends`` and n in ``sizes``, map the n tokens before ``end`` to ``end`` (later
     ends win). ``tokens[i]`` is the context's token ``offset + i``; it must reach back ``max(sizes)`` before ends."""
@@ -41,8 +47,7 @@ class PromptNgrams:
     """The n-grams (``min_n`` <= n <= ``max_n``) of one prompt, each mapped to the latest position after it."""
 
     def __init__(self, prompt: Sequence[int], min_n: int, max_n: int) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n ({min_n}) <= max_n ({max_n})")
+        check_ngram_sizes(min_n, max_n)
         self.prompt = list(prompt)
         self.sizes = range(min_n, max_n + 1)
         self.latest: dict[Ngram, int] = {}

@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from coordinator.speculation_gate import PROBE_EVERY
-from engine.prompt_lookup import DEFAULT_NGRAM_SIZES
+from engine.prompt_lookup import DEFAULT_NGRAM_SIZES, check_ngram_sizes
 from engine.roles import MODEL_ROLES
 
 DEFAULT_PORTS = {"coordinator": 50050, "draft": 50051, "target": 50052}
@@ -59,8 +59,10 @@ def _ngram_sizes(text: str) -> tuple[int, int] | None:
         low, high = (int(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected MIN,MAX (e.g. 2,3) or off, got {text!r}") from None
-    if not 1 <= low <= high:
-        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
+    try:
+        check_ngram_sizes(low, high)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{error} (got {text!r})") from None
     return low, high
 
 
