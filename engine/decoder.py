@@ -2,6 +2,11 @@
 
 The weights and the modules (norms, projections, MLP, rotary embedding) are the checkpoint's own; only
 the attention and the cache are specserve's, so ragged windows of many sequences run in one batch.
+
+A ragged batch (rows of different window widths, e.g. per-sequence draft lengths) is *packed* for the
+token-wise work: norms, projections, MLP and LM head run on the real tokens only, and only the attention
+and the cache see the padded [B, W] layout. On a CPU verify is compute-bound, so the padding would cost as
+much as real tokens.
 """
 
 from __future__ import annotations
@@ -36,22 +41,26 @@ class Decoder:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
 
-    def _qkv(self, layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def _qkv(self, layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             shape: tuple[int, int], packed: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [B, H, W, D] of the window ``shape`` (B, W) from normed hidden states ``x`` ([B, W, H], or
+        [N, H] of the ``packed`` positions of the flattened window, whose padding comes back as zeros)."""
         attn = layer.self_attn
-        batch, width, _ = x.shape
-        q = attn.q_proj(x).view(batch, width, -1, self.head_dim)
-        k = attn.k_proj(x).view(batch, width, -1, self.head_dim)
-        v = attn.v_proj(x).view(batch, width, -1, self.head_dim)
+        q, k, v = (_unpack(proj(x).view(*x.shape[:-1], -1, self.head_dim), packed, shape)
+                   for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
 
-    def _finish_layer(self, layer: torch.nn.Module, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    def _finish_layer(self, layer: torch.nn.Module, h: torch.Tensor, o: torch.Tensor,
+                      packed: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream ``h`` (laid out as in ``_qkv``) after the attention output o [B, Hq, W, D]."""
         batch, _, width, _ = o.shape
-        h = h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(batch, width, -1))
+        o = o.transpose(1, 2).reshape(batch, width, -1)
+        h = h + layer.self_attn.o_proj(o if packed is None else o.reshape(batch * width, -1)[packed])
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     @torch.inference_mode()
@@ -74,7 +83,7 @@ class Decoder:
             mask = torch.arange(done + width, device=self.device)[None, :] <= positions[0, :, None]
         keys, values = [], []
         for index, layer in enumerate(self.body.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin)
+            q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin, (1, width))
             keys.append(k[0])
             values.append(v[0])
             if past is not None and done:
@@ -98,24 +107,35 @@ class Decoder:
         [B, V] at each row's last window position when ``last_only``.
         """
         kv.reserve(base.tolist(), tokens.shape[1])
+        width = tokens.shape[1]
+        ragged = bool((widths < width).any())
+        packed = (torch.arange(width)[None, :] < widths.cpu()[:, None]).flatten().nonzero()[:, 0] if ragged else None
         return self.forward_window(tokens.to(self.device), widths.to(self.device), base.to(self.device), kv,
-                                   last_only)
+                                   last_only, None if packed is None else packed.to(self.device))
 
     @torch.inference_mode()
     def forward_window(self, tokens: torch.Tensor, widths: torch.Tensor, base: torch.Tensor,
-                       kv: KVLayout, last_only: bool) -> torch.Tensor:
+                       kv: KVLayout, last_only: bool, packed: torch.Tensor | None = None) -> torch.Tensor:
         """``step`` after ``kv.reserve``: inputs already on the model's device; only device work is launched
-        (no host synchronisation), so with a capturable attention it can be recorded in a CUDA graph."""
+        (no host synchronisation), so with a capturable attention it can be recorded in a CUDA graph.
+
+        ``packed``: the positions of the flattened [B * W] window that hold real tokens (row-major); the
+        token-wise layers then skip the padding, whose logits come back as zeros. The logits of a row with an
+        empty window (width 0) are arbitrary."""
         batch, width = tokens.shape
         positions = kv.row_prefix_lens()[:, None] + base[:, None] + torch.arange(width, device=self.device)[None, :]
         lens = base + widths
-        h = self._embed(tokens)
+        h = self._embed(tokens if packed is None else tokens.flatten()[packed])
         cos, sin = self.body.rotary_emb(h, positions)
         for index, layer in enumerate(self.body.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin)
+            q, k, v = self._qkv(layer, layer.input_layernorm(h), cos, sin, (batch, width), packed)
             kv.write(index, k, v, base)
             o = kv.attend(index, q, base, lens, self.scale)
-            h = self._finish_layer(layer, h, o)
+            h = self._finish_layer(layer, h, o, packed)
+        if packed is not None and not last_only:
+            return _unpack(self._logits(h), packed, (batch, width))
+        if packed is not None:  # the last real token of row b is packed entry cumsum(widths)[b] - 1
+            return self._logits(h[(widths.cumsum(0) - 1).clamp(min=0)])
         if last_only:
             h = h[torch.arange(batch, device=self.device), (widths - 1).clamp(min=0)]
         return self._logits(h)
@@ -126,3 +146,12 @@ class Decoder:
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.model.lm_head(self.body.norm(h)).float()
         return logits if self.token_map is None else self.token_map.to_target_logits(logits)
+
+
+def _unpack(x: torch.Tensor, packed: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
+    """x [N, ...] of the ``packed`` positions laid out as [B, W, ...] (``shape`` = (B, W)), zeros elsewhere;
+    x itself (already [B, W, ...]) when nothing is packed."""
+    if packed is None:
+        return x
+    out = x.new_zeros(shape[0] * shape[1], *x.shape[1:])
+    return out.index_copy_(0, packed, x).view(*shape, *x.shape[1:])

@@ -138,3 +138,7 @@ def test_specserve_runtime_logits_match_transformers(path, attention, tokenizers
     for row, width in enumerate((4, 2, 1)):
         torch.testing.assert_close(step[row, :width], reference[len(prefix):len(prefix) + width], atol=1e-4,
                                    rtol=1e-4)
+        assert not step[row, width:].any()  # the packed padding computed nothing
+    last = runtime.decoder.step(tokens, widths, batch.decoded(), batch.kv, last_only=True)
+    for row, width in enumerate((4, 2, 1)):
+        torch.testing.assert_close(last[row], reference[len(prefix) + width - 1], atol=1e-4, rtol=1e-4)
