@@ -7,6 +7,10 @@ k stays. k stays in [1, maximum]. Following the median sequence, not the best or
 single slow sequence cannot stall the rest and a single lucky one cannot inflate k for everyone —
 with greedy decoding and a good draft k climbs, with high-temperature sampling it settles low.
 
+Where the draft cuts proposals short by its own confidence (per-sequence draft lengths, ``engine.draft``),
+k is a cap: only the sequences whose proposal reached it say whether it binds, so the shares are of
+those; a round where none reached it leaves k alone.
+
 With a ``SpeculationGate`` (``coordinator.speculation_gate``) a round may also propose nothing (k = 0: a
 plain decode step) while plain rounds emit tokens faster than speculative ones.
 """
@@ -35,13 +39,16 @@ class DraftLength:
         """The k to propose in the next round: ``k``, or 0 where the gate runs a plain decode round."""
         return self.k if self.gate is None or self.gate.speculate() else 0
 
-    def update(self, proposed: int, accepted: list[int], seconds: float = 0.0) -> int:
-        """Record a round's per-sequence accepted lengths for a proposal of ``proposed`` tokens (0: a plain round)
-        and its wall time (for the gate); returns the next speculative k."""
+    def update(self, proposed: int, accepted: list[int], seconds: float = 0.0,
+               lengths: list[int] | None = None) -> int:
+        """Record a round's per-sequence accepted lengths for proposals of at most ``proposed`` tokens (0: a
+        plain round; ``lengths``: each sequence's proposal length, None: all ``proposed``) and its wall time
+        (for the gate); returns the next speculative k."""
         if self.gate is not None:
             self.gate.record(proposed > 0, sum(accepted) + len(accepted), seconds)
-        if self.adaptive and proposed and accepted:
-            full = sum(a >= proposed for a in accepted) / len(accepted)
+        capped = accepted if lengths is None else [a for a, n in zip(accepted, lengths, strict=True) if n >= proposed]
+        if self.adaptive and proposed and capped:
+            full = sum(a >= proposed for a in capped) / len(capped)
             if full >= GROW_SHARE:
                 self.k = min(self.k + 1, self.maximum)
             elif full < SHRINK_SHARE:

@@ -420,12 +420,13 @@ class Scheduler:
         proposed = {p.sequence_id: list(p.token_ids) for p in proposals}
         wire = {p.sequence_id: p.ByteSize() for p in proposals} if k else {}
         tokens_proposed = tokens_accepted = 0
-        accepted_lens = []
+        accepted_lens, proposal_lens = [], []
         counted: set[int] = set()
         for verdict in verdicts:
             request, sample = self._samples[verdict.sequence_id]
             tokens = proposed[verdict.sequence_id]
             accepted_lens.append(verdict.accepted_len)
+            proposal_lens.append(len(tokens))
             if skipped_draft:
                 answered, previous = self._updates[verdict.sequence_id]
                 self._catch_up.setdefault(verdict.sequence_id, []).append(previous)
@@ -444,7 +445,7 @@ class Scheduler:
         for request in self._running:
             if request.finished:
                 request.complete()
-        self.draft_length.update(k, accepted_lens, seconds)
+        self.draft_length.update(k, accepted_lens, seconds, proposal_lens)
         return tokens_proposed, tokens_accepted
 
     async def _fail_running(self, status: tuple[grpc.StatusCode, str]) -> None:

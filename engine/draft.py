@@ -5,6 +5,14 @@ tail occurred before, lookup is on and has been right more often than the model 
 the draft model proposes the rest. Lookup tokens are fed to the
 model as its inputs, so its cache and its own later proposals follow them; sampling sequences send a
 point distribution for each, which keeps the target's rejection sampling exact.
+
+Each sequence's proposal is as long as it is likely to pay (a per-sequence draft length): the draft keeps
+an estimate of the chance that the target accepts the whole proposal so far, the product of each token's
+confidence (a model token: the draft's top probability, which on held-out code matches its chance of
+being the target's token, docs/design.md; a lookup token: the group's lookup acceptance rate), and stops a
+sequence's proposal before the token that would take it below ``confidence_floor``. A verify is priced by
+the tokens in it (on a CPU it is compute-bound), so unlikely tokens cost more than they bring; the stop
+depends only on the draft's side, so the target's rejection sampling stays exact.
 """
 
 from __future__ import annotations
@@ -20,6 +28,10 @@ from engine.errors import InvalidInput
 from engine.prompt_lookup import DEFAULT_NGRAM_SIZES, LookupScore, PromptLookup, PromptNgrams, check_ngram_sizes
 from engine.runtime import ModelRuntime
 from engine.sampling import CompactDistribution, draft_distribution, point_distribution, process_logits, sample
+
+# Stop a sequence's proposal before its estimated chance of full acceptance falls below this: about where a
+# verified token's cost on a 2-core CPU equals its expected saving (docs/design.md, "Per-sequence draft length").
+DEFAULT_CONFIDENCE_FLOOR = 0.3
 
 
 @dataclass
@@ -56,7 +68,7 @@ def apply_verdict(state: SequenceState, accepted_len: int, next_token: int,
         state.pending = state.pending + list(catch_up) + [next_token]
     if state.lookup is not None:
         confirmed = [*proposed[:accepted_len], *catch_up, next_token]
-        state.lookup.settle(confirmed[0] if proposed and not catch_up else None)
+        state.lookup.settle(None if catch_up else confirmed[0], len(proposed), accepted_len)
         state.lookup.extend(confirmed)
     state.proposed = []
 
@@ -67,13 +79,18 @@ class DraftRuntime(ModelRuntime):
     role = "draft"
 
     def __init__(self, checkpoint: Checkpoint, *, prompt_lookup: tuple[int, int] | None = DEFAULT_NGRAM_SIZES,
-                 **runtime_options: object) -> None:
+                 confidence_floor: float = DEFAULT_CONFIDENCE_FLOOR, **runtime_options: object) -> None:
         """A draft runtime (options as ``ModelRuntime``); ``prompt_lookup`` (min n, max n) starts proposals with
-        prompt-lookup continuations of n-grams of those sizes, None proposes with the model alone."""
+        prompt-lookup continuations of n-grams of those sizes, None proposes with the model alone; a sequence's
+        proposal stops before its estimated chance of full acceptance drops below ``confidence_floor`` (in
+        [0, 1); 0: every proposal is ``draft_len`` long). Raises ValueError for bad sizes or floor."""
         if prompt_lookup is not None:
             check_ngram_sizes(*prompt_lookup)
+        if not 0.0 <= confidence_floor < 1.0:
+            raise ValueError(f"confidence_floor must be in [0, 1), got {confidence_floor}")
         super().__init__(checkpoint, **runtime_options)
         self.prompt_lookup = prompt_lookup
+        self.confidence_floor = confidence_floor
 
     def _start_sequences(self, group: GroupInput, states: Sequence[SequenceState], logits: torch.Tensor
                          ) -> dict[int, int]:
@@ -90,7 +107,8 @@ class DraftRuntime(ModelRuntime):
         live sequence once), then propose ``draft_len`` tokens for each sequence.
 
         Each proposal starts with the sequence's prompt-lookup continuation (when lookup is on and finds
-        one). Sampling sequences draw each model token from the compact distribution returned with it and
+        one) and holds at most ``draft_len`` tokens, fewer where the confidence floor stops it (possibly
+        none). Sampling sequences draw each model token from the compact distribution returned with it and
         send a point distribution with each lookup token, so the target's rejection sampling against them is
         exact. Proposals come back in row order.
         """
@@ -115,9 +133,11 @@ class DraftRuntime(ModelRuntime):
             params = [s.params for s in states]
             generators = [s.generator for s in states]
             looked_up = [s.lookup.propose(draft_len) if s.lookup is not None else [] for s in states]
+            chance = [1.0] * len(states)  # estimated chance that the target accepts the row's whole proposal
             for step in range(draft_len):
                 logits = self.forward(tokens, widths, batch.decoded(), batch.kv, last_only=True)
-                for state, width in zip(states, widths.tolist(), strict=True):
+                fed = widths.tolist()
+                for state, width in zip(states, fed, strict=True):
                     state.decoded += width
                     state.pending = []
                 probs = process_logits(logits, params)
@@ -127,19 +147,34 @@ class DraftRuntime(ModelRuntime):
                 if step == 0:  # lookup leads where it has been right more often than the model
                     looked_up = [s.lookup.choose(found, model) if s.lookup is not None else []
                                  for s, found, model in zip(states, looked_up, drawn.tolist(), strict=True)]
+                confidence = torch.softmax(logits, dim=-1).amax(dim=-1).tolist() if self.confidence_floor else None
                 dists = list(compact)
                 for row, found in enumerate(looked_up):
                     if step < len(found):
                         drawn[row] = found[step]
                         dists[row] = None if params[row].greedy else point_distribution(found[step])
-                for proposal, token, dist in zip(proposals, drawn.tolist(), dists, strict=True):
+                        if confidence is not None:
+                            confidence[row] = states[row].lookup.score.lookup_confidence
+                going = []
+                for row, (proposal, token, dist) in enumerate(zip(proposals, drawn.tolist(), dists, strict=True)):
+                    if not fed[row]:  # stopped at an earlier step
+                        continue
+                    if confidence is not None and chance[row] * confidence[row] < self.confidence_floor:
+                        if step:  # its last proposed token was just fed: uncache it, as for a full proposal
+                            states[row].decoded -= 1
+                        continue
+                    if confidence is not None:
+                        chance[row] *= confidence[row]
                     proposal.token_ids.append(token)
                     if dist is not None:
                         proposal.distributions.append(dist)
-                if step + 1 < draft_len:
-                    tokens, widths = drawn[:, None], torch.ones(len(states), dtype=torch.long)
+                    going.append(row)
+                if step + 1 == draft_len or not going:
+                    break
+                tokens, widths = drawn[:, None], torch.zeros(len(states), dtype=torch.long)
+                widths[going] = 1
             # The last proposed token was never fed: the next round's window starts with it if accepted.
             for state, proposal, found in zip(states, proposals, looked_up, strict=True):
                 state.proposed = list(proposal.token_ids)
-                proposal.lookup_tokens = len(found)
+                proposal.lookup_tokens = min(len(found), len(proposal.token_ids))
             return proposals

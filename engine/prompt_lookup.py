@@ -54,12 +54,25 @@ class PromptNgrams:
         _index(self.prompt, 0, range(len(self.prompt)), self.sizes, self.latest)
 
 
+# Prior of a lookup token's chance of acceptance: 3 of 4, as measured on held-out code (greedy, models/README.md).
+LOOKUP_PRIOR_ACCEPTED, LOOKUP_PRIOR_TRIED = 3, 4
+
+
 @dataclass
 class LookupScore:
-    """How often lookup and the draft model were right where their first tokens disagreed (one per group)."""
+    """How often lookup and the draft model were right where their first tokens disagreed, and how often the
+    target accepted a lookup token that it got to judge (one per group)."""
 
     lookup_right: int = 0
     model_right: int = 0
+    lookup_accepted: int = 0
+    lookup_tried: int = 0
+
+    @property
+    def lookup_confidence(self) -> float:
+        """The estimated chance that the target accepts a lookup token whose predecessors it accepted: the
+        group's rate so far, smoothed towards the measured prior."""
+        return (self.lookup_accepted + LOOKUP_PRIOR_ACCEPTED) / (self.lookup_tried + LOOKUP_PRIOR_TRIED)
 
 
 class PromptLookup:
@@ -72,6 +85,7 @@ class PromptLookup:
         self.generated: list[int] = []
         self.latest: dict[Ngram, int] = {}  # n-grams ending in the generated part (beyond the prompt's)
         self._disputed: tuple[int, int] | None = None  # (lookup's, model's) first token of the last proposal
+        self._led = 0  # lookup tokens that led the last proposal (fewer may have been sent)
 
     def __len__(self) -> int:
         return len(self.prompt.prompt) + len(self.generated)
@@ -86,15 +100,22 @@ class PromptLookup:
         """The lookup tokens ``found`` to lead this proposal when lookup has been right more often than the model,
         else [] (the model proposes it all); notes a disagreement of the two first tokens for ``settle``."""
         self._disputed = (found[0], model_first) if found and found[0] != model_first else None
-        return found if self.score.lookup_right > self.score.model_right else []
+        chosen = found if self.score.lookup_right > self.score.model_right else []
+        self._led = len(chosen)
+        return chosen
 
-    def settle(self, confirmed_first: int | None) -> None:
-        """Score the last proposal's disagreement against the token the target confirmed at its first position
-        (None: unknown, e.g. the sequence missed rounds)."""
+    def settle(self, confirmed_first: int | None, proposed: int = 0, accepted: int = 0) -> None:
+        """Score the last proposal: its disagreement against the token the target confirmed at its first position
+        (None: unknown, e.g. the sequence missed rounds), and its lookup tokens (the first of the ``proposed``
+        tokens sent) against the ``accepted`` length."""
         if self._disputed is not None and confirmed_first is not None:
             self.score.lookup_right += self._disputed[0] == confirmed_first
             self.score.model_right += self._disputed[1] == confirmed_first
-        self._disputed = None
+        sent = min(self._led, proposed)
+        if sent:  # the target judged lookup tokens up to the first rejected one
+            self.score.lookup_accepted += min(accepted, sent)
+            self.score.lookup_tried += min(accepted + 1, sent)
+        self._disputed, self._led = None, 0
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append confirmed tokens (accepted by the target) to the context."""

@@ -159,6 +159,7 @@ def runtime_options(args: Any) -> tuple[torch.device, dict[str, Any]]:
     }
     if hasattr(args, "prompt_lookup"):  # serve draft
         options["prompt_lookup"] = args.prompt_lookup
+        options["confidence_floor"] = args.confidence_floor
     return device, options
 
 

@@ -108,8 +108,9 @@ class Deployment:
 
     target_model: str
     draft_model: str | None
-    model_args: Sequence[str] = ()
+    model_args: Sequence[str] = ()  # flags of both model services
     coordinator_args: Sequence[str] = ()
+    draft_args: Sequence[str] = ()  # flags of the draft service only
     log_dir: Path | None = None
     tls: TLSFiles = field(default_factory=TLSFiles)
     env: dict[str, str] | None = None  # extra environment variables of every server (e.g. OTEL_*)
@@ -133,7 +134,8 @@ class Deployment:
         coordinator = ["--target", self.servers["target"].address, *self.coordinator_args]
         if self.draft_model:
             self.servers["draft"] = ServerProcess("draft", free_port(),
-                                                  ["--model", self.draft_model, *self.model_args], self._log("draft"),
+                                                  ["--model", self.draft_model, *self.model_args, *self.draft_args],
+                                                  self._log("draft"),
                                                   self.tls)
             coordinator += ["--draft", self.servers["draft"].address]
         for server in self.servers.values():

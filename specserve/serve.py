@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from coordinator.speculation_gate import PROBE_EVERY
+from engine.draft import DEFAULT_CONFIDENCE_FLOOR
 from engine.prompt_lookup import DEFAULT_NGRAM_SIZES, check_ngram_sizes
 from engine.roles import MODEL_ROLES
 
@@ -72,6 +73,21 @@ def _draft_flags(parser: argparse.ArgumentParser) -> None:
                         help="start each proposal with the continuation of the latest earlier occurrence of the "
                              "sequence's last MAX..MIN tokens (prompt lookup; lossless); 'off': the draft model "
                              f"alone (default {','.join(map(str, DEFAULT_NGRAM_SIZES))})")
+    parser.add_argument("--confidence-floor", type=_confidence_floor, default=DEFAULT_CONFIDENCE_FLOOR, metavar="P",
+                        help="stop a sequence's proposal before the draft's estimate of the chance that the target "
+                             "accepts all of it falls below P (per-sequence draft length; lossless); 0: every "
+                             f"proposal is the coordinator's k long (default {DEFAULT_CONFIDENCE_FLOOR})")
+
+
+def _confidence_floor(text: str) -> float:
+    """A probability in [0, 1): the draft's confidence floor."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"the confidence floor must be in [0, 1), got {text!r}")
+    return value
 
 
 def _coordinator_flags(parser: argparse.ArgumentParser) -> None:

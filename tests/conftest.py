@@ -46,18 +46,23 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def deployments(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[Callable[..., Deployment]]:
-    """Start (once per session and configuration) draft/target/coordinator processes on loopback."""
+    """Start (once per session and configuration) draft/target/coordinator processes on loopback.
+
+    The tiny random models are not calibrated (their top probabilities are near 1/V), so their drafts run
+    with the confidence floor off by default: every proposal is k long and speculation is exercised;
+    ``draft_args=()`` serves the draft's defaults."""
     started: dict[tuple, Deployment] = {}
     logs = tmp_path_factory.mktemp("logs")
 
-    def get(target: str, draft: str | None, *coordinator_args: str, model_args: tuple[str, ...] = ()) -> Deployment:
-        key = (target, draft, coordinator_args, model_args)
+    def get(target: str, draft: str | None, *coordinator_args: str, model_args: tuple[str, ...] = (),
+            draft_args: tuple[str, ...] = ("--confidence-floor", "0")) -> Deployment:
+        key = (target, draft, coordinator_args, model_args, draft_args)
         if key not in started:
             log_dir = logs / f"d{len(started)}"
             log_dir.mkdir()
             started[key] = Deployment(str(checkpoints[target]), str(checkpoints[draft]) if draft else None,
                                       model_args=list(model_args), coordinator_args=list(coordinator_args),
-                                      log_dir=log_dir).start()
+                                      draft_args=list(draft_args), log_dir=log_dir).start()
         return started[key]
 
     yield get

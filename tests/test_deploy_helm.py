@@ -202,7 +202,7 @@ def test_model_args_parse(default_objects: list[dict[str, Any]], component: str)
         "cpu", "float32", "bifurcated", "torch", "auto")
     assert (args.kv_budget_mb, args.prefix_cache_mb) == (0, 0)
     if component == "draft":
-        assert args.prompt_lookup == (2, 3)
+        assert (args.prompt_lookup, args.confidence_floor) == ((2, 3), 0.3)
     mount = next(m for m in main["volumeMounts"] if m["name"] == "models")
     assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
     volume = next(v for v in deployment(default_objects, component)["spec"]["template"]["spec"]["volumes"]
@@ -412,6 +412,7 @@ def test_probe_code_is_the_image_healthcheck(gpu_objects: list[dict[str, Any]]) 
     ({"target": {"gpus": 1}}, ["/target", "additional properties 'gpus' not allowed"]),
     ({"coordinator": {"settings": {"speculationProbeEvery": 1}}}, ["speculationProbeEvery", "minimum: got 1, want 2"]),
     ({"draft": {"promptLookup": "2-3"}}, ["/draft/promptLookup", "does not match pattern"]),
+    ({"draft": {"confidenceFloor": 1}}, ["/draft/confidenceFloor"]),
     ({"target": {"promptLookup": "2,3"}}, ["/target", "additional properties 'promptLookup' not allowed"]),
 ])
 def test_schema_rejects_bad_values(values: dict[str, Any], messages: list[str]) -> None:

@@ -101,7 +101,8 @@ def test_bucketed_step_equals_the_unpadded_step(checkpoints, attention: str) -> 
         plain = runtime.decoder.step(tokens, widths, a.decoded(), a.kv, last_only=False)
         padded = bucketed_step(runtime.decoder, tokens, widths, b.decoded(), b.kv, last_only=False)
         assert padded.shape == plain.shape
-        torch.testing.assert_close(padded, plain, atol=1e-5, rtol=1e-5)
+        real = torch.arange(tokens.shape[1])[None, :] < widths[:, None]  # padding logits are unspecified
+        torch.testing.assert_close(padded[real], plain[real], atol=1e-5, rtol=1e-5)
         for batch in (a, b):
             for state, width in zip(batch.sequences, widths.tolist(), strict=True):
                 state.decoded += width
@@ -149,7 +150,7 @@ def test_triton_backend_proposes_like_torch(checkpoints) -> None:
     model = load_checkpoint(checkpoints["llama_draft"], device="cuda" if torch.cuda.is_available() else "cpu")
     proposals = []
     for backend in ("triton", "torch"):
-        runtime = DraftRuntime(model, attention_backend=backend)
+        runtime = DraftRuntime(model, attention_backend=backend, confidence_floor=0.0)
         runtime.prefill("a", groups())
         for sequence in runtime.batches["a"].sequences:
             sequence.pending = [sequence.sequence_id + 3]

@@ -74,3 +74,12 @@ def test_gate_rejects_bad_settings():
         SpeculationGate(probe_every=1)
     with pytest.raises(ValueError, match="smoothing"):
         SpeculationGate(smoothing=0.0)
+
+
+def test_proposals_cut_short_by_the_draft_do_not_count():
+    """With per-sequence proposal lengths only the sequences that reached the cap say whether it binds."""
+    rule = DraftLength(4, 8)
+    assert rule.update(4, [4, 4, 0, 1, 2], lengths=[4, 4, 0, 1, 2]) == 5  # both capped ones took all: grow
+    assert rule.update(5, [1, 0, 5, 2], lengths=[1, 5, 5, 5]) == 5  # one of three capped took all: hold
+    assert rule.update(5, [0, 1, 0, 0], lengths=[5, 5, 5, 2]) == 4  # none of three capped did: shrink
+    assert rule.update(4, [1, 2], lengths=[1, 2]) == 4  # none reached the cap: it did not bind

@@ -31,18 +31,21 @@ def eos_prompt(path, vocab: int = 300) -> list[int]:
     pytest.fail("no prompt with an EOS in its greedy continuation: the EOS case would go untested")
 
 
+FIXED_K = ("--confidence-floor", "0")  # every proposal k long (the random drafts are not calibrated)
 CASES = [
-    pytest.param("llama", "llama", id="llama-draft-agrees"),
-    pytest.param("llama", "llama_draft", id="llama-random-draft"),
-    pytest.param("qwen2", "qwen2_draft", id="qwen2-mqa-random-draft"),
-    pytest.param("llama", "llama_subset", id="llama-subset-vocabulary-draft"),
-    pytest.param("llama", None, id="llama-no-draft"),
+    pytest.param("llama", "llama", FIXED_K, id="llama-draft-agrees"),
+    pytest.param("llama", "llama_draft", FIXED_K, id="llama-random-draft"),
+    # the draft's defaults: proposals cut short by the confidence floor, ragged verify windows
+    pytest.param("llama", "llama_draft", (), id="llama-random-draft-per-sequence-lengths"),
+    pytest.param("qwen2", "qwen2_draft", FIXED_K, id="qwen2-mqa-random-draft"),
+    pytest.param("llama", "llama_subset", FIXED_K, id="llama-subset-vocabulary-draft"),
+    pytest.param("llama", None, FIXED_K, id="llama-no-draft"),
 ]
 
 
-@pytest.mark.parametrize(("target", "draft"), CASES)
-def test_concurrent_mixed_batch_matches_hf(deployments, checkpoints, target, draft):
-    deployment = deployments(target, draft)
+@pytest.mark.parametrize(("target", "draft", "draft_args"), CASES)
+def test_concurrent_mixed_batch_matches_hf(deployments, checkpoints, target, draft, draft_args):
+    deployment = deployments(target, draft, draft_args=draft_args)
     stub = coordinator_stub(deployment.coordinator_address)
     jobs = []
     for i, prompt in enumerate(prompts()):

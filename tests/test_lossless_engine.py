@@ -2,7 +2,8 @@
 
 A tiny Llama target with a 32-token vocabulary and an unrelated draft; thousands of samples of one
 prompt in one group (the prompt KV shared by all of them). The first token comes from the target's
-prefill, tokens 2 and 3 from one speculative round (k=2). The exact distribution of (t1, t2, t3) is
+prefill, tokens 2 and 3 from one speculative round (k=2; with a confidence floor, each sequence's proposal
+holds 0, 1 or 2 tokens). The exact distribution of (t1, t2, t3) is
 computed directly from the target model by enumeration; a chi-square test with a fixed seed (false-alarm
 rate 1e-3) must accept it, and must reject it when the acceptance rule is broken.
 """
@@ -10,6 +11,7 @@ rate 1e-3) must accept it, and must reject it when the acceptance rule is broken
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ VOCAB = 32
 SAMPLES = 6000
 PROMPT = [3, 17, 5, 9]
 ALPHA = 1e-3
+FLOOR = 0.2  # with the peaked tiny draft below, proposals of 0, 1 and 2 tokens all occur
 
 
 def tiny(path, seed: int, scale: float):
@@ -51,8 +54,15 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(root):
     target = TargetRuntime(load_checkpoint(tiny(root / "target", seed=10, scale=12.0)))
-    draft = DraftRuntime(load_checkpoint(tiny(root / "draft", seed=11, scale=8.0)))
+    draft = DraftRuntime(load_checkpoint(tiny(root / "draft", seed=11, scale=8.0)), confidence_floor=0.0)
     return target, draft
+
+
+@pytest.fixture(scope="module")
+def floor_pair(pair, root):
+    """The same target and a more peaked draft whose proposals stop below a confidence floor."""
+    return pair[0], DraftRuntime(load_checkpoint(tiny(root / "draft-peaked", seed=11, scale=16.0)),
+                                 confidence_floor=FLOOR)
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +85,10 @@ def exact_distribution(model, params: SamplingParams, prompt_ids: list[int] = PR
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def speculative_samples(target, draft, params: SamplingParams, batch_id: str, prompt: list[int] = PROMPT
-                        ) -> torch.Tensor:
-    """(t1, t2, t3) of SAMPLES sequences: t1 from prefill, then k=2 rounds until every sequence has 3."""
+def speculative_samples(target, draft, params: SamplingParams, batch_id: str, prompt: list[int] = PROMPT,
+                        lengths: Counter | None = None) -> torch.Tensor:
+    """(t1, t2, t3) of SAMPLES sequences: t1 from prefill, then k=2 rounds until every sequence has 3; counts
+    the proposals' lengths into ``lengths``."""
     ids = list(range(SAMPLES))
     group = GroupInput(0, prompt, ids, params, max_new_tokens=16)
     first = target.prefill(batch_id, [group]).first_tokens
@@ -88,6 +99,8 @@ def speculative_samples(target, draft, params: SamplingParams, batch_id: str, pr
         proposals = draft.propose(batch_id, updates, draft_len=2)
         verdicts = target.verify(batch_id, {p.sequence_id: (p.token_ids, p.distributions) for p in proposals})
         drafted = {p.sequence_id: p.token_ids for p in proposals}
+        if lengths is not None:
+            lengths.update(len(p.token_ids) for p in proposals)
         for verdict in verdicts:
             sid = verdict.sequence_id
             tokens[sid] += drafted[sid][: verdict.accepted_len] + [verdict.next_token_id]
@@ -132,6 +145,16 @@ def test_speculative_sampling_has_the_target_distribution(pair, params):
     target, draft = pair
     samples = speculative_samples(target, draft, params, "exact")
     assert len(samples) == SAMPLES
+    assert chi_square_pvalue(samples, exact_distribution(target.checkpoint.model, params)) > ALPHA
+
+
+@pytest.mark.parametrize("params", CASES[::2])
+def test_per_sequence_draft_lengths_keep_the_target_distribution(floor_pair, params):
+    """Proposals cut short by the draft's confidence floor (ragged verify windows) stay exact."""
+    target, draft = floor_pair
+    lengths = Counter()
+    samples = speculative_samples(target, draft, params, "floor", lengths=lengths)
+    assert all(lengths[n] > SAMPLES // 20 for n in (0, 1, 2)), f"proposal lengths not varied enough: {lengths}"
     assert chi_square_pvalue(samples, exact_distribution(target.checkpoint.model, params)) > ALPHA
 
 

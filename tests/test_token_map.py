@@ -73,7 +73,7 @@ def test_checkpoint_reports_the_target_vocabulary(restricted, checkpoints):
 
 
 def test_greedy_proposals_match_the_oracle(restricted):
-    draft = DraftRuntime(load_checkpoint(restricted))
+    draft = DraftRuntime(load_checkpoint(restricted), confidence_floor=0.0)  # exactly draft_len tokens
     groups = [GroupInput(g, prompt, [g], SamplingParams(), 16) for g, prompt in PROMPTS.items()]
     draft.prefill("b", groups)
     proposals = draft.propose("b", {g: (0, 7 if g else 333, []) for g in PROMPTS}, draft_len=4)
@@ -87,7 +87,7 @@ def test_greedy_proposals_match_the_oracle(restricted):
 
 
 def test_sampled_distributions_live_on_the_subset(restricted):
-    draft = DraftRuntime(load_checkpoint(restricted))
+    draft = DraftRuntime(load_checkpoint(restricted), confidence_floor=0.0)  # exactly draft_len tokens
     prompt = PROMPTS[0]
     draft.prefill("s", [GroupInput(0, prompt, [0], SamplingParams(temperature=1.0, seed=3), 16)])
     (proposal,) = draft.propose("s", {0: (0, 301, [])}, draft_len=1)

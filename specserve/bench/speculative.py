@@ -109,7 +109,7 @@ def engine_bass(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], n
             stats.draft_lens.append(k)
             proposed = {p.sequence_id: p.token_ids for p in proposals}
             finished = []
-            accepted = []
+            accepted, lengths = [], []
             for verdict in verdicts:
                 sid = verdict.sequence_id
                 tokens = proposed[sid][: verdict.accepted_len] + [verdict.next_token_id]
@@ -117,12 +117,13 @@ def engine_bass(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], n
                 seq.extend(tokens[: max_new_tokens - len(seq)])
                 updates[sid] = (verdict.accepted_len, verdict.next_token_id, [])
                 accepted.append(verdict.accepted_len)
+                lengths.append(len(proposed[sid]))
                 stats.proposed += len(proposed[sid])
                 stats.accepted += verdict.accepted_len
                 if len(seq) >= max_new_tokens:
                     finished.append(sid)
             live = [sid for sid in live if sid not in set(finished)]
-            length.update(k, accepted, t2 - t0)
+            length.update(k, accepted, t2 - t0, lengths)
     finally:
         target.release(batch_id)
         draft.release(batch_id)

@@ -59,6 +59,8 @@ spec:
             {{- if eq .component "draft" }}
             - --prompt-lookup
             - {{ $values.promptLookup | quote }}
+            - --confidence-floor
+            - {{ $values.confidenceFloor | toString | quote }}
             {{- end }}
             {{- range $values.extraArgs }}
             - {{ . | quote }}
