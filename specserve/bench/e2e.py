@@ -7,7 +7,10 @@ in one run, for every n (samples per prompt) and temperature, it times:
 * ``b_hf_generate``: HF transformers ``generate`` for the n samples in one batch;
 * ``c_hf_assisted``: HF assisted generation (``assistant_model=`` the draft), the n samples one after another;
 * ``d_bass_fixed`` / ``d_bass_adaptive``: specserve BASS in-process (DraftRuntime + TargetRuntime), draft
-  length fixed at ``--draft-len`` or adapted by ``coordinator.draft_length`` up to ``--max-draft-len``;
+  length fixed at ``--draft-len`` for every sequence (no confidence floor), or adapted by
+  ``coordinator.draft_length`` up to ``--max-draft-len`` with the draft's defaults (per-sequence lengths);
+* ``d_bass_full_proposals``: as ``d_bass_adaptive`` with the draft's confidence floor off (every proposal
+  the round's k long: the batch-wide length alone);
 * ``d_bass_model_only``: as ``d_bass_adaptive`` with the draft's prompt lookup off (the draft model alone);
 * ``d_bass_gated``: as ``d_bass_adaptive`` with the speculation gate (``coordinator.speculation_gate``);
 * ``e_grpc_adaptive``: specserve over its three gRPC services (one Generate request with n samples);
@@ -55,12 +58,13 @@ SYSTEMS: dict[str, str] = {
     "c_hf_assisted": "(c) HF assisted generation, n sequential",
     "d_bass_fixed": "(d) BASS in-process, fixed k",
     "d_bass_adaptive": "(d) BASS in-process, adaptive k",
+    "d_bass_full_proposals": "(d) BASS in-process, adaptive k, no confidence floor (every proposal k long)",
     "d_bass_model_only": "(d) BASS in-process, adaptive k, draft model alone (no prompt lookup)",
     "d_bass_gated": "(d) BASS in-process, adaptive k, speculation gate (plain rounds where faster)",
     "e_grpc_adaptive": "(e) BASS over gRPC, adaptive k",
     "e_grpc_target": "(e) target only over gRPC",
 }
-IN_PROCESS_BASS = ("d_bass_fixed", "d_bass_adaptive", "d_bass_model_only", "d_bass_gated")
+IN_PROCESS_BASS = ("d_bass_fixed", "d_bass_adaptive", "d_bass_full_proposals", "d_bass_model_only", "d_bass_gated")
 GRPC_SYSTEMS = {"e_grpc_adaptive": True, "e_grpc_target": False}  # system -> deployment has a draft
 BASS = "d_bass_adaptive"  # the configuration the bars are judged on (the coordinator's default)
 
@@ -132,8 +136,10 @@ class Harness:
         if self.target.tokenizer is None:
             raise SystemExit(f"{args.target_model} has no tokenizer: the code prompts need one")
         self.target_runtime = TargetRuntime(self.target)
-        self.draft_runtime = DraftRuntime(self.draft)
-        self.model_only_runtime = DraftRuntime(self.draft, prompt_lookup=None)
+        default, full = DraftRuntime(self.draft), DraftRuntime(self.draft, confidence_floor=0.0)
+        self.draft_runtimes = {"d_bass_fixed": full, "d_bass_adaptive": default, "d_bass_full_proposals": full,
+                               "d_bass_model_only": DraftRuntime(self.draft, prompt_lookup=None),
+                               "d_bass_gated": default}
         self.assistant = hf_assistant(self.draft) if "c_hf_assisted" in args.systems else None
         self.prompts = code_prompts(self.target.tokenizer, args.prompts)
         self.deployments: dict[str, Any] = {}
@@ -180,8 +186,8 @@ class Harness:
             elif system in IN_PROCESS_BASS:
                 length = DraftLength(a.draft_len, max(a.draft_len, a.max_draft_len), system != "d_bass_fixed",
                                      SpeculationGate() if system == "d_bass_gated" else None)
-                draft = self.model_only_runtime if system == "d_bass_model_only" else self.draft_runtime
-                out, stats = engine_bass(self.target_runtime, draft, prompt, n, params, max_new, length)
+                out, stats = engine_bass(self.target_runtime, self.draft_runtimes[system], prompt, n, params, max_new,
+                                         length)
             elif system in GRPC_SYSTEMS:
                 out, stats = self._grpc(system, prompt, n, temperature, max_new)
             else:
@@ -472,11 +478,12 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {p['n']} | " + " | ".join(_fmt(p["systems"][s]["per_token_ms"], ".1f")
                                                      for s in systems) + " |")
         lines += ["", f"**Ratios, {title}** (speed-up = other wall / BASS wall; tokens/s of all n samples)", "",
-                  "| n | BASS tok/s | BASS vs (a) | BASS vs (b) | BASS vs (c) | fixed-k vs (a) | no lookup vs (a) "
+                  "| n | BASS tok/s | BASS vs (a) | BASS vs (b) | BASS vs (c) | fixed-k vs (a) | no floor vs (a) "
+                  "| no lookup vs (a) "
                   "| gated vs (a) (plain rounds) "
                   "| gRPC overhead (e)/(d) | gRPC BASS vs gRPC target | acceptance (no lookup) | mean k "
                   "| greedy (d),(e) = (a) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for p in points:
             s = p["systems"]
             d = s.get(BASS, {})
@@ -484,12 +491,14 @@ def markdown(result: dict[str, Any]) -> str:
             vs = [_ratio(s[o]["wall_s"], dw) if o in s else None for o in ("a_batched", "b_hf_generate",
                                                                            "c_hf_assisted")]
             fixed = s.get("d_bass_fixed", {}).get("speedup_vs_a")
+            full = s.get("d_bass_full_proposals", {}).get("speedup_vs_a")
             alone = s.get("d_bass_model_only", {})
             gated = s.get("d_bass_gated", {})
             same = "–" if temperature else ("yes" if all(s[x]["identical_to_a"] for x in s
                                                          if x.startswith(("d_", "e_"))) else "**no**")
             lines.append(f"| {p['n']} | {_fmt(d.get('tokens_per_s'), '.0f')} | {_fmt(vs[0], '.2f', '×')} | "
                          f"{_fmt(vs[1], '.2f', '×')} | {_fmt(vs[2], '.2f', '×')} | {_fmt(fixed, '.2f', '×')} | "
+                         f"{_fmt(full, '.2f', '×')} | "
                          f"{_fmt(alone.get('speedup_vs_a'), '.2f', '×')} | "
                          f"{_fmt(gated.get('speedup_vs_a'), '.2f', '×')} ({gated.get('plain_rounds', '–')}) | "
                          f"{_fmt(p.get('grpc_overhead', None) and 100 * p['grpc_overhead'], '+.1f', '%')} | "
