@@ -60,8 +60,9 @@ LOOKUP_PRIOR_ACCEPTED, LOOKUP_PRIOR_TRIED = 3, 4
 
 @dataclass
 class LookupScore:
-    """How often lookup and the draft model were right where their first tokens disagreed, and how often the
-    target accepted a lookup token that it got to judge (one per group)."""
+    """How often lookup and the draft model were right where their first tokens disagreed, and how often a
+    lookup token matched the target's confirmed token where its predecessors did (one per group; whether the
+    lookup tokens were proposed or not, so the estimate does not starve while lookup is not proposed)."""
 
     lookup_right: int = 0
     model_right: int = 0
@@ -70,8 +71,8 @@ class LookupScore:
 
     @property
     def lookup_confidence(self) -> float:
-        """The estimated chance that the target accepts a lookup token whose predecessors it accepted: the
-        group's rate so far, smoothed towards the measured prior."""
+        """The estimated chance that the target confirms a lookup token whose predecessors it confirmed (for a
+        proposed token: accepts it): the group's rate so far, smoothed towards the measured prior."""
         return (self.lookup_accepted + LOOKUP_PRIOR_ACCEPTED) / (self.lookup_tried + LOOKUP_PRIOR_TRIED)
 
 
@@ -85,7 +86,7 @@ class PromptLookup:
         self.generated: list[int] = []
         self.latest: dict[Ngram, int] = {}  # n-grams ending in the generated part (beyond the prompt's)
         self._disputed: tuple[int, int] | None = None  # (lookup's, model's) first token of the last proposal
-        self._led = 0  # lookup tokens that led the last proposal (fewer may have been sent)
+        self._found: list[int] = []  # the lookup continuation at the last proposal, proposed or not
 
     def __len__(self) -> int:
         return len(self.prompt.prompt) + len(self.generated)
@@ -100,22 +101,23 @@ class PromptLookup:
         """The lookup tokens ``found`` to lead this proposal when lookup has been right more often than the model,
         else [] (the model proposes it all); notes a disagreement of the two first tokens for ``settle``."""
         self._disputed = (found[0], model_first) if found and found[0] != model_first else None
-        chosen = found if self.score.lookup_right > self.score.model_right else []
-        self._led = len(chosen)
-        return chosen
+        self._found = found
+        return found if self.score.lookup_right > self.score.model_right else []
 
-    def settle(self, confirmed_first: int | None, proposed: int = 0, accepted: int = 0) -> None:
-        """Score the last proposal: its disagreement against the token the target confirmed at its first position
-        (None: unknown, e.g. the sequence missed rounds), and its lookup tokens (the first of the ``proposed``
-        tokens sent) against the ``accepted`` length."""
-        if self._disputed is not None and confirmed_first is not None:
-            self.score.lookup_right += self._disputed[0] == confirmed_first
-            self.score.model_right += self._disputed[1] == confirmed_first
-        sent = min(self._led, proposed)
-        if sent:  # the target judged lookup tokens up to the first rejected one
-            self.score.lookup_accepted += min(accepted, sent)
-            self.score.lookup_tried += min(accepted + 1, sent)
-        self._disputed, self._led = None, 0
+    def settle(self, confirmed: Sequence[int] | None) -> None:
+        """Score the last proposal against the tokens the target confirmed from its first position on (None:
+        unknown, e.g. the sequence missed rounds): the disagreement of its first tokens, and the lookup
+        continuation up to its first token that differs from a confirmed one."""
+        if confirmed:
+            if self._disputed is not None:
+                self.score.lookup_right += self._disputed[0] == confirmed[0]
+                self.score.model_right += self._disputed[1] == confirmed[0]
+            for token, right in zip(self._found, confirmed, strict=False):
+                self.score.lookup_tried += 1
+                if token != right:
+                    break
+                self.score.lookup_accepted += 1
+        self._disputed, self._found = None, []
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append confirmed tokens (accepted by the target) to the context."""

@@ -98,12 +98,24 @@ def test_lookup_leads_only_once_it_beat_the_model():
     found = first.propose(2)
     assert found == [3, 1]
     assert first.choose(found, model_first=9) == []  # no evidence yet: the model proposes
-    first.settle(3)  # the target confirmed the lookup's token
+    first.settle([3])  # the target confirmed the lookup's token
     assert (score.lookup_right, score.model_right) == (1, 0)
     assert second.choose(found, model_first=9) == found  # the score is the group's
-    second.settle(9)
+    second.settle([9])
     assert second.choose(found, model_first=9) == []  # 1:1 is a tie: the model again
     second.settle(None)  # unknown outcome: not scored
     assert first.choose(found, model_first=3) == []  # no disagreement, nothing to score
-    first.settle(3)
+    first.settle([3])
     assert (score.lookup_right, score.model_right) == (1, 1)
+
+
+def test_lookup_confidence_scores_continuations_proposed_or_not():
+    score = LookupScore()
+    lookup = PromptLookup(PromptNgrams([1, 2, 3, 1, 2], 2, 2), score)
+    found = lookup.propose(2)
+    assert found == [3, 1] and lookup.choose(found, model_first=3) == []  # the model proposes ...
+    lookup.settle([3, 5])  # ... and the continuation is scored all the same: 3 confirmed, then 1 is not
+    assert (score.lookup_accepted, score.lookup_tried) == (1, 2)
+    assert score.lookup_confidence == pytest.approx((1 + 3) / (2 + 4))
+    lookup.settle([3])  # no proposal since: nothing to score
+    assert score.lookup_tried == 2
