@@ -143,7 +143,11 @@ class DraftRuntime(ModelRuntime):
                 probs = process_logits(logits, params)
                 dense, compact = zip(*(draft_distribution(probs[row], p.greedy) for row, p in enumerate(params)),
                                      strict=True)
-                drawn = sample(torch.stack(dense), generators)  # one uniform per row, lookup rows too
+                # one uniform per row still proposing (lookup rows too): a row's stream is its own business
+                drawing = [row for row, width in enumerate(fed) if width]
+                drawn = torch.zeros(len(states), dtype=torch.long)
+                drawn[drawing] = sample(torch.stack([dense[row] for row in drawing]),
+                                        [generators[row] for row in drawing])
                 if step == 0:  # lookup leads where it has been right more often than the model
                     looked_up = [s.lookup.choose(found, model) if s.lookup is not None else []
                                  for s, found, model in zip(states, looked_up, drawn.tolist(), strict=True)]

@@ -22,10 +22,11 @@ truncated/quantized distribution itself and the target uses that same distributi
 no distributions at all: a draft token is accepted iff it equals the target's argmax.
 
 Randomness: every sequence owns one CPU ``torch.Generator`` per role (``sequence_generator``), and every
-call consumes a fixed number of uniforms per sampling row (``sample``: 1; ``verify_proposals``: K + 1),
-independently of what was accepted, so results are reproducible and a row's outcome does not depend on
-the other rows of the batch. The uniforms are drawn on the CPU and moved to the probabilities' device, so
-a seed gives the same stream whether the model runs on the CPU or on a GPU.
+call consumes a number of uniforms per sampling row fixed by that row's own proposal (``sample``: 1;
+``verify_proposals``: k_b + 1 for a proposal of k_b tokens), independently of what was accepted, so
+results are reproducible and a row's outcome does not depend on the other rows of the batch. The
+uniforms are drawn on the CPU and moved to the probabilities' device, so a seed gives the same stream
+whether the model runs on the CPU or on a GPU.
 """
 
 from __future__ import annotations
@@ -178,11 +179,14 @@ def _filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     return filtered / filtered.sum(dim=-1, keepdim=True)
 
 
-def _uniforms(generators: Sequence[torch.Generator], count: int) -> torch.Tensor:
-    """``[len(generators), count]`` float64 uniforms in [0, 1), exactly ``count`` from each generator."""
-    if not generators:
-        return torch.empty((0, count), dtype=torch.float64)
-    return torch.stack([torch.rand(count, generator=g, dtype=torch.float64) for g in generators])
+def _uniforms(generators: Sequence[torch.Generator], count: int, used: Sequence[int] | None = None) -> torch.Tensor:
+    """``[len(generators), count]`` float64 uniforms in [0, 1): row n holds ``used[n]`` (default ``count``)
+    drawn from its generator, exactly that many, then zeros."""
+    out = torch.zeros((len(generators), count), dtype=torch.float64)
+    for row, g in enumerate(generators):
+        n = count if used is None else used[row]
+        out[row, :n] = torch.rand(n, generator=g, dtype=torch.float64)
+    return out
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -336,9 +340,10 @@ def verify_proposals(
     ``u_i < p_i(x_i) / q_i(x_i)`` (never if ``q_i(x_i) == 0``), then emit a token from the residual
     ``norm(max(0, p_j - q_j))`` at the first rejection ``j`` or from ``p_{k_b}`` if all were accepted; the
     emitted tokens are then distributed exactly as the target's processed distributions. Each sampling
-    row consumes exactly ``K + 1`` uniforms from its own generator per call (the first for the emitted
-    token, the next ``K`` for the acceptance tests), so the outcome of a row is independent of
-    the other rows of the batch; greedy rows consume none. ``0 <= accepted_len <= k_b``.
+    row consumes exactly ``k_b + 1`` uniforms from its own generator per call (the first for the emitted
+    token, the next ``k_b`` for the acceptance tests), so its outcome and its generator's state depend on
+    its own proposal only, not on the other rows of the batch; greedy rows consume none.
+    ``0 <= accepted_len <= k_b``.
     """
     if target_probs.ndim != 3:
         raise ValueError(f"target_probs must be [B, K+1, V], got shape {tuple(target_probs.shape)}")
@@ -377,7 +382,7 @@ def verify_proposals(
 
     u_final = None
     if s_rows:
-        u = _uniforms([generators[b] for b in s_rows], k_max + 1).to(device)
+        u = _uniforms([generators[b] for b in s_rows], k_max + 1, (lens[s_idx] + 1).tolist()).to(device)
         u_final, u_accept = u[:, 0], u[:, 1:]
         proposing = bool((lens[s_idx] > 0).any())
         if proposing and draft_probs is None:

@@ -1,10 +1,12 @@
 """Sampling through the three services: reproducible by seed, and with a fixed draft length a request's
-completions do not depend on the other requests sharing its batch."""
+completions do not depend on the other requests sharing its batch, also where the draft's confidence floor
+makes every sequence's proposal length its own."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from conftest import coordinator_stub
 
 from specserve.v1 import coordinator_pb2
@@ -19,8 +21,11 @@ def tokens(response: coordinator_pb2.GenerateResponse) -> list[list[int]]:
     return [list(c.token_ids) for c in response.completions]
 
 
-def test_same_seed_same_completions_alone_or_in_a_crowd(deployments):
-    deployment = deployments("llama", "llama", "--fixed-draft-len", "--draft-len", "3")
+# The random tiny model's top probabilities are 0.03-0.08: a floor of 0.002 cuts proposals to 1 or 2 of the 3.
+@pytest.mark.parametrize("floor", ["0", "0.002"], ids=["every-proposal-k-long", "per-sequence-lengths"])
+def test_same_seed_same_completions_alone_or_in_a_crowd(deployments, floor):
+    deployment = deployments("llama", "llama", "--fixed-draft-len", "--draft-len", "3",
+                             draft_args=("--confidence-floor", floor))
     stub = coordinator_stub(deployment.coordinator_address)
     request = sampled(seed=7, prompt=[11, 12, 13, 14])
     alone = tokens(stub.Generate(request, timeout=120))

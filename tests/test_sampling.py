@@ -359,15 +359,17 @@ def test_verify_is_deterministic_and_rows_are_independent() -> None:
         assert other[0][2] == alone[0][0] and other[1][2] == alone[1][0]
 
 
-def test_verify_consumes_fixed_uniforms_per_sampling_row() -> None:
+def test_verify_consumes_the_rows_own_proposal_length_plus_one_uniforms() -> None:
+    """Per sampling row k_b + 1 uniforms, whatever the other rows proposed (the batch's window K)."""
     k, vocab = 3, 8
     target, tokens, lens, draft, _ = _random_verify_inputs(4, k, vocab, seed=9)
+    lens = torch.tensor([0, 2, 1, 3])
     greedy = torch.tensor([False, True, False, False])
     gens = [sequence_generator(3, i, "target") for i in range(4)]
     twins = [sequence_generator(3, i, "target") for i in range(4)]
     verify_proposals(target, tokens, lens, draft, greedy, gens)
     for i in (0, 2, 3):
-        torch.rand(k + 1, generator=twins[i], dtype=torch.float64)
+        torch.rand(int(lens[i]) + 1, generator=twins[i], dtype=torch.float64)
     assert all(torch.equal(g.get_state(), t.get_state()) for g, t in zip(gens, twins, strict=True))
 
 

@@ -18,12 +18,14 @@ Recipe (documented with its results in models/README.md):
 4. Saved in bf16 (the runtime loads it in fp32), with the target's tokenizer, so it loads on its own.
 5. Evaluated on held-out prompts against the fp32 target: greedy acceptance at k=4 (the simulation of
    ``train_default_models.acceptance``, and through specserve's runtimes with the draft model alone and with
-   prompt lookup) and the expected sampled acceptance sum_x min(p(x), q(x)) at T=0.8.
+   prompt lookup), the expected sampled acceptance sum_x min(p(x), q(x)) at T=0.8, and the calibration of the
+   draft's top probability (what the draft service's confidence floor relies on).
 
     # the shipped draft (see models/README.md)
     .venv/bin/python tools/distill_draft.py --out models/smollm2-draft --gen-minutes 5 --train-minutes 42 \
         --vocab-subset 7168 --target-layers 1 --lr 2e-3 --warmup 20
     .venv/bin/python tools/distill_draft.py --out models/smollm2-draft --eval-only
+    .venv/bin/python tools/distill_draft.py --out models/smollm2-draft --eval-only calibration
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from coordinator.draft_length import DraftLength  # noqa: E402
 from engine.checkpoint import load_checkpoint  # noqa: E402
 from engine.default_models import default_target  # noqa: E402
 from engine.draft import DraftRuntime  # noqa: E402
-from engine.prompt_lookup import DEFAULT_NGRAM_SIZES  # noqa: E402
+from engine.prompt_lookup import DEFAULT_NGRAM_SIZES, LookupScore, PromptLookup, PromptNgrams  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.target import TargetRuntime  # noqa: E402
 from engine.token_map import CATCH_ALL, TokenMap, load_token_map  # noqa: E402
@@ -295,6 +297,42 @@ def engine_acceptance(draft_dir: Path, prompts: list[dict], k: int, new_tokens: 
             list(DEFAULT_NGRAM_SIZES), **result}
 
 
+CONFIDENCE_BINS = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+@torch.inference_mode()
+def confidence_calibration(target, draft, token_map: TokenMap | None, prompts: list[dict], new_tokens: int) -> dict:
+    """How well the draft's top probability predicts that its greedy token is the target's, along the target's
+    greedy continuation of each prompt (the context an accepted proposal has), binned by that probability;
+    and how often prompt lookup (``engine.prompt_lookup``, default n-grams) finds a continuation there and
+    its first token is the target's. This is what the draft's confidence floor relies on."""
+    confidences, matches, lookup_found, lookup_right = [], [], 0, 0
+    for p in prompts:
+        x = torch.tensor([p["ids"]])
+        out = target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=target.config.pad_token_id)
+        start = len(p["ids"])
+        probs = F.softmax(draft_logits(draft, token_map, out)[0, start - 1:-1].float(), dim=-1)
+        top, guess = probs.max(dim=-1)
+        truth = out[0, start:]
+        confidences += top.tolist()
+        matches += (guess == truth).tolist()
+        lookup = PromptLookup(PromptNgrams(p["ids"], *DEFAULT_NGRAM_SIZES), LookupScore())
+        for token in truth.tolist():
+            found = lookup.propose(1)
+            lookup_found += bool(found)
+            lookup_right += found == [token]
+            lookup.extend([token])
+    bins = []
+    for lo, hi in zip(CONFIDENCE_BINS, CONFIDENCE_BINS[1:], strict=False):
+        inside = [m for c, m in zip(confidences, matches, strict=True) if lo <= c < hi or (hi == 1.0 and c == 1.0)]
+        bins.append({"confidence": [lo, hi], "share": round(len(inside) / len(matches), 4),
+                     "match_rate": round(sum(inside) / len(inside), 4) if inside else None})
+    return {"positions": len(matches), "match_rate": round(sum(matches) / len(matches), 4), "bins": bins,
+            "lookup_found_share": round(lookup_found / len(matches), 4),
+            "lookup_right_when_found": round(lookup_right / max(1, lookup_found), 4)}
+
+
 def evaluate(target, draft, token_map: TokenMap | None, tokenizer, held: list[tuple[str, str]],
              args: argparse.Namespace) -> dict:
     """Held-out greedy acceptance at k (simulated with HF, and through specserve's runtimes without and with
@@ -307,7 +345,10 @@ def evaluate(target, draft, token_map: TokenMap | None, tokenizer, held: list[tu
     engine = engine_acceptance(Path(args.out), prompts, args.k, 64)
     sampled = sampled_overlap(target, draft, prompts[: args.eval_sampled], 0.8, 64, args.seed, token_map)
     log(f"  expected sampled acceptance at T=0.8: {sampled['expected_acceptance']}")
-    result = {"greedy": greedy, "engine_greedy": engine, "sampled": sampled}
+    calibration = confidence_calibration(target, draft, token_map, prompts, 64)
+    log(f"  draft top-1 matches the target at {calibration['match_rate']} of positions; calibration by bin: "
+        + ", ".join(f"{b['confidence'][0]:.1f}: {b['match_rate']}" for b in calibration["bins"]))
+    result = {"greedy": greedy, "engine_greedy": engine, "sampled": sampled, "calibration": calibration}
     if token_map is not None:
         held_ids = training_stream(tokenizer, held, int(target.config.eos_token_id))
         inside = token_map.to_draft(held_ids.long()) != token_map.catch_all_row
@@ -344,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-prompts", type=int, default=30)
     ap.add_argument("--eval-sampled", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--eval-only", action="store_true")
+    ap.add_argument("--eval-only", nargs="?", const="all", choices=["all", "calibration"],
+                    help="evaluate the saved draft without training (calibration: only the confidence calibration, "
+                         "merged into metrics.json)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -399,7 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     token_map = load_token_map(out, draft.config.vocab_size)
     metrics["params"] = sum(p.numel() for p in draft.parameters())
     metrics["vocab_subset"] = None if token_map is None else len(token_map.mapped_ids)
-    metrics["eval"] = evaluate(target, draft, token_map, tokenizer, held, args)
+    if args.eval_only == "calibration":
+        prompts = corpus_rules.make_prompts(tokenizer, held, args.eval_prompts)
+        metrics.setdefault("eval", {})["calibration"] = confidence_calibration(target, draft, token_map, prompts, 64)
+    else:
+        metrics["eval"] = evaluate(target, draft, token_map, tokenizer, held, args)
     metrics["heldout_files"] = [rel for rel, _ in held]
     metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
     log(f"wrote {out} ({sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / 1e6:.1f} MB)")
