@@ -283,7 +283,7 @@ def engine_acceptance(draft_dir: Path, prompts: list[dict], k: int, new_tokens: 
     checkpoint = load_checkpoint(draft_dir)
     result = {}
     for name, lookup in (("model_alone", None), ("prompt_lookup", DEFAULT_NGRAM_SIZES)):
-        draft = DraftRuntime(checkpoint, prompt_lookup=lookup)
+        draft = DraftRuntime(checkpoint, prompt_lookup=lookup, confidence_floor=0.0)  # every proposal k long
         total = RunStats()
         for p in prompts:
             _, stats = engine_bass(target, draft, p["ids"], 1, SamplingParams(), new_tokens,
