@@ -31,6 +31,9 @@ class DraftServicer(ModelServicer, model_pb2_grpc.DraftModelServicer):
             kv_bytes = runtime.kv_bytes_in_use()
             span.set_attributes({"specserve.tokens_proposed": sum(len(p.token_ids) for p in proposals),
                                  "specserve.prompt_lookup_tokens": sum(p.lookup_tokens for p in proposals),
+                                 # sequences whose proposal the confidence floor stopped short of draft_len
+                                 "specserve.proposals_cut_short": sum(len(p.token_ids) < request.draft_len
+                                                                      for p in proposals),
                                  "specserve.kv_bytes": kv_bytes})
         return model_pb2.ProposeResponse(
             proposals=[

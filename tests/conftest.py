@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import build_checkpoint, restrict_vocabulary, train_tokenizer  # noqa: E402
+from tiny_models import FIXED_K, build_checkpoint, restrict_vocabulary, train_tokenizer  # noqa: E402
 
 from specserve.processes import Deployment, ServerProcess, free_port  # noqa: E402
 from specserve.v1 import coordinator_pb2_grpc  # noqa: E402
@@ -48,14 +48,13 @@ def deployments(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathF
                 ) -> Iterator[Callable[..., Deployment]]:
     """Start (once per session and configuration) draft/target/coordinator processes on loopback.
 
-    The tiny random models are not calibrated (their top probabilities are near 1/V), so their drafts run
-    with the confidence floor off by default: every proposal is k long and speculation is exercised;
+    Drafts run with the confidence floor off (``tiny_models.FIXED_K``) unless ``draft_args`` says otherwise;
     ``draft_args=()`` serves the draft's defaults."""
     started: dict[tuple, Deployment] = {}
     logs = tmp_path_factory.mktemp("logs")
 
     def get(target: str, draft: str | None, *coordinator_args: str, model_args: tuple[str, ...] = (),
-            draft_args: tuple[str, ...] = ("--confidence-floor", "0")) -> Deployment:
+            draft_args: tuple[str, ...] = FIXED_K) -> Deployment:
         key = (target, draft, coordinator_args, model_args, draft_args)
         if key not in started:
             log_dir = logs / f"d{len(started)}"

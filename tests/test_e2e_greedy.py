@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from conftest import coordinator_stub
 from hf_oracle import greedy
-from tiny_models import EOS_ID
+from tiny_models import EOS_ID, FIXED_K
 
 from specserve.v1 import coordinator_pb2
 
@@ -31,7 +31,6 @@ def eos_prompt(path, vocab: int = 300) -> list[int]:
     pytest.fail("no prompt with an EOS in its greedy continuation: the EOS case would go untested")
 
 
-FIXED_K = ("--confidence-floor", "0")  # every proposal k long (the random drafts are not calibrated)
 CASES = [
     pytest.param("llama", "llama", FIXED_K, id="llama-draft-agrees"),
     pytest.param("llama", "llama_draft", FIXED_K, id="llama-random-draft"),

@@ -12,6 +12,7 @@ import pytest
 from conftest import coordinator_stub, target_replicas
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hf_oracle import greedy
+from tiny_models import FIXED_K
 
 from engine.batch import GroupInput
 from engine.checkpoint import load_checkpoint
@@ -50,7 +51,8 @@ def wait_released(deployment: Deployment, timeout_s: float = 15.0) -> None:
 
 @pytest.fixture
 def deployment(checkpoints, tmp_path):
-    with Deployment(str(checkpoints["llama"]), str(checkpoints["llama"]), log_dir=tmp_path) as running:
+    with Deployment(str(checkpoints["llama"]), str(checkpoints["llama"]), log_dir=tmp_path,
+                    draft_args=FIXED_K) as running:
         yield running
 
 

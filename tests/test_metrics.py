@@ -8,6 +8,7 @@ import grpc
 import pytest
 from conftest import coordinator_stub
 from prometheus_scrape import scrape, value
+from tiny_models import FIXED_K
 
 from specserve.processes import Deployment
 from specserve.v1 import coordinator_pb2
@@ -18,7 +19,7 @@ def served(checkpoints, tmp_path_factory):
     """A deployment with --metrics-port on every server, three good requests and one bad one."""
     logs = tmp_path_factory.mktemp("metrics-logs")
     with Deployment(str(checkpoints["llama"]), str(checkpoints["llama_draft"]), log_dir=logs,
-                    metrics=True) as deployment:
+                    metrics=True, draft_args=FIXED_K) as deployment:
         stub = coordinator_stub(deployment.coordinator_address)
         responses = []
         for n, max_new, temperature in ((1, 12, 0.0), (2, 9, 1.0), (3, 17, 0.0)):

@@ -7,6 +7,7 @@ import pytest
 from certs import make_certificates
 from conftest import coordinator_stub
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tiny_models import FIXED_K
 
 from specserve.grpc_server import open_channel
 from specserve.processes import Deployment
@@ -20,7 +21,7 @@ REQUEST = coordinator_pb2.GenerateRequest(prompt_token_ids=[5, 6, 7], n=2, max_n
 def test_tls_round_trip_on_every_hop(checkpoints, tmp_path, mode):
     tls_only, mutual = make_certificates(tmp_path)
     with Deployment(str(checkpoints["llama"]), str(checkpoints["llama_draft"]),
-                    tls=mutual if mode == "mtls" else tls_only, log_dir=tmp_path) as deployment:
+                    tls=mutual if mode == "mtls" else tls_only, log_dir=tmp_path, draft_args=FIXED_K) as deployment:
         trusted = TLSFiles(ca=mutual.ca, cert=mutual.cert, key=mutual.key) if mode == "mtls" else TLSFiles(ca=mutual.ca)
         stub = coordinator_pb2_grpc.CoordinatorStub(open_channel(deployment.coordinator_address, trusted))
         response = stub.Generate(REQUEST, timeout=120)

@@ -27,7 +27,9 @@ def traced(checkpoints, tmp_path_factory):
     with OtlpReceiver() as receiver:
         env = {**TRACE_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint}
         with Deployment(str(checkpoints["llama"]), str(checkpoints["llama_draft"]), log_dir=logs, env=env,
-                        coordinator_args=["--fixed-draft-len", "--draft-len", "3"]) as deployment:
+                        coordinator_args=["--fixed-draft-len", "--draft-len", "3"],
+                        # the random draft's top probabilities are 0.03-0.08: proposals of 1 or 2 of the 3
+                        draft_args=["--confidence-floor", "0.002"]) as deployment:
             request = coordinator_pb2.GenerateRequest(prompt="def area(radius):", n=3, max_new_tokens=20,
                                                       temperature=1.0, seed=5, ignore_eos=True)
             response, trace_id = traced_generate(coordinator_stub(deployment.coordinator_address), request,
@@ -101,6 +103,9 @@ def test_span_token_counts_equal_usage(traced):
     assert total("coordinator.round", "specserve.tokens_proposed") == usage.draft_tokens_proposed
     assert total("coordinator.round", "specserve.tokens_accepted") == usage.draft_tokens_accepted
     assert 0 <= total("draft.propose", "specserve.prompt_lookup_tokens") <= usage.draft_tokens_proposed
+    cut = total("draft.propose", "specserve.proposals_cut_short")
+    assert 0 < cut <= total("draft.propose", "specserve.sequences")
+    assert usage.draft_tokens_proposed <= 3 * total("draft.propose", "specserve.sequences") - cut
 
 
 def test_waterfall_names_every_service(traced, tmp_path: Path):
