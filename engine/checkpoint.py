@@ -20,6 +20,31 @@ ARCHITECTURES_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralF
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES_BY_MODEL_TYPE.values())
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO_DTYPE = "auto"  # the dtype the checkpoint was saved in, where the device computes in it natively
+
+
+def resolve_dtype(requested: str, saved: object, device: torch.device | str) -> str:
+    """The dtype name to load weights in: ``requested`` itself, or for "auto" the checkpoint's saved dtype
+    (``config.dtype``) when it is bfloat16/float16 and ``device`` computes in it natively (CUDA; bfloat16 on a
+    CPU with native bf16 matrix units), float32 otherwise. Raises CheckpointError for an unknown name."""
+    if requested != AUTO_DTYPE:
+        if requested not in DTYPES:
+            raise CheckpointError(f"unknown dtype {requested!r}; choose {AUTO_DTYPE} or one of {sorted(DTYPES)}")
+        return requested
+    name = str(saved).removeprefix("torch.") if saved is not None else "float32"
+    if name not in ("bfloat16", "float16"):
+        return "float32"
+    if torch.device(device).type == "cuda":
+        return name
+    return name if name == "bfloat16" and _cpu_has_native_bf16() else "float32"
+
+
+def _cpu_has_native_bf16() -> bool:
+    """True when oneDNN runs bfloat16 matrix products natively on this CPU (AVX512-BF16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 class CheckpointError(ValueError):
@@ -91,7 +116,7 @@ class Checkpoint:
 
 def load_checkpoint(path: str | Path, dtype: str = "float32", device: torch.device | str = "cpu") -> Checkpoint:
     """Load a local HF checkpoint (safetensors only, no remote code) in eval mode, its weights in ``dtype``
-    on ``device``.
+    (a name of ``DTYPES``, or "auto": see ``resolve_dtype``) on ``device``.
 
     Raises CheckpointError with an actionable message for a missing directory, an unsupported
     architecture, an unknown dtype or a token map that does not fit the model.
@@ -99,9 +124,8 @@ def load_checkpoint(path: str | Path, dtype: str = "float32", device: torch.devi
     directory = Path(path).expanduser().resolve()
     if not (directory / "config.json").is_file():
         raise CheckpointError(f"{directory} is not a model directory: config.json is missing")
-    if dtype not in DTYPES:
-        raise CheckpointError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    dtype = resolve_dtype(dtype, getattr(config, "dtype", None), device)
     architectures = set(config.architectures or [])
     if not architectures & SUPPORTED_ARCHITECTURES:
         raise CheckpointError(

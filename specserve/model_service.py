@@ -189,7 +189,8 @@ def serve_model(servicer: ModelServicer, add_to_server: Callable[[Any, grpc.Serv
     servicer.set_runtime(runtime)
     set_serving(health_servicer, [service_name], True)
     log.info("%s serving %s on %s:%d (%s, %s, %s attention, CUDA graphs %s)", service_name, checkpoint.name,
-             args.host, port, device, args.dtype, runtime.attention_backend, "on" if runtime.cuda_graphs else "off")
+             args.host, port, device, runtime.decoder.dtype, runtime.attention_backend,
+             "on" if runtime.cuda_graphs else "off")
     stop = threading.Event()  # set by SIGTERM/SIGINT; the loop below also expires idle batches
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

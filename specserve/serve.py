@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from coordinator.speculation_gate import PROBE_EVERY
+from engine.checkpoint import AUTO_DTYPE, DTYPES
 from engine.draft import DEFAULT_CONFIDENCE_FLOOR
 from engine.prompt_lookup import DEFAULT_NGRAM_SIZES, check_ngram_sizes
 from engine.roles import MODEL_ROLES
@@ -35,8 +36,10 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
                              "role: SmolLM2-135M-Instruct converted once into the cache, or models/smollm2-draft)")
     parser.add_argument("--device", default="auto",
                         help="where the model and its KV caches live: auto (cuda when available), cpu, cuda, cuda:N")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="weights and KV cache dtype (logits and sampling stay float32)")
+    parser.add_argument("--dtype", default=AUTO_DTYPE, choices=[AUTO_DTYPE, *DTYPES],
+                        help="weights and KV cache dtype (logits and sampling stay float32); auto: the dtype the "
+                             "checkpoint was saved in where the device computes in it natively (CUDA, or bfloat16 "
+                             "on a CPU with native bf16), else float32")
     parser.add_argument("--attention", default="bifurcated", choices=["bifurcated", "standard"],
                         help="KV layout: prompt KV shared by a group's samples, or copied per sample")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],

@@ -199,7 +199,7 @@ def test_model_args_parse(default_objects: list[dict[str, Any]], component: str)
     assert args.model == f"/models/{component}"
     assert args.metrics_port == 9464
     assert (args.device, args.dtype, args.attention, args.attention_backend, args.cuda_graphs) == (
-        "cpu", "float32", "bifurcated", "torch", "auto")
+        "cpu", "auto", "bifurcated", "torch", "auto")
     assert (args.kv_budget_mb, args.prefix_cache_mb) == (0, 0)
     if component == "draft":
         assert (args.prompt_lookup, args.confidence_floor) == ((2, 3), 0.3)
@@ -400,7 +400,7 @@ def test_probe_code_is_the_image_healthcheck(gpu_objects: list[dict[str, Any]]) 
 @pytest.mark.parametrize(("values", "messages"), [
     ({"target": {"replicas": -1}}, ["/target/replicas", "minimum: got -1, want 0"]),
     ({"draft": {"attention": "foo"}}, ["/draft/attention", "'bifurcated', 'standard'"]),
-    ({"target": {"dtype": "int8"}}, ["/target/dtype", "'float32', 'bfloat16', 'float16'"]),
+    ({"target": {"dtype": "int8"}}, ["/target/dtype", "'auto', 'float32', 'bfloat16', 'float16'"]),
     ({"draft": {"attentionBackend": "cuda"}}, ["/draft/attentionBackend", "'torch', 'triton'"]),
     ({"coordinator": {"port": 0}}, ["/coordinator/port", "minimum: got 0, want 1"]),
     ({"target": {"port": 70000}}, ["/target/port", "maximum: got 70,000, want 65,535"]),

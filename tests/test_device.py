@@ -17,9 +17,10 @@ import torch
 from conftest import coordinator_stub
 from engine_cases import PROMPTS, greedy_decode, groups
 from hf_oracle import greedy
+from transformers import AutoModelForCausalLM
 
 from engine.batch import pad_windows
-from engine.checkpoint import load_checkpoint
+from engine.checkpoint import CheckpointError, load_checkpoint, resolve_dtype
 from engine.device import DeviceUnavailable, resolve_device
 from engine.draft import DraftRuntime
 from engine.graphs import bucket_width, bucketed_step, graphs_supported, pad_width
@@ -202,3 +203,19 @@ def test_serve_with_explicit_cpu_device_and_bfloat16(deployments, checkpoints) -
     completions = [list(c.token_ids) for c in response.completions]
     assert len(completions) == 3 and all(len(c) == 12 and c == completions[0] for c in completions)
     assert completions[0][:4] == greedy(checkpoints["llama"], PROMPTS[0], 4, None)
+
+
+def test_auto_dtype_is_the_saved_dtype_where_the_device_runs_it(checkpoints, tmp_path) -> None:
+    """--dtype auto: a float32 checkpoint loads in float32; a bfloat16 one in bfloat16 on CUDA and on a CPU
+    with native bf16, float32 elsewhere; unknown names are refused."""
+    assert load_checkpoint(checkpoints["llama"], "auto").model.dtype == torch.float32
+    assert resolve_dtype("auto", torch.bfloat16, "cuda") == "bfloat16"
+    assert resolve_dtype("auto", "float16", "cpu") == "float32"  # no native float16 matrix units assumed
+    assert resolve_dtype("auto", None, "cpu") == "float32"
+    assert resolve_dtype("bfloat16", torch.float32, "cpu") == "bfloat16"  # an explicit choice stands
+    with pytest.raises(CheckpointError, match="unknown dtype"):
+        resolve_dtype("int8", None, "cpu")
+    saved = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(checkpoints["llama"], dtype=torch.bfloat16).save_pretrained(saved)
+    expected = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    assert load_checkpoint(saved, "auto").model.dtype == expected

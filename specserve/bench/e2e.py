@@ -42,7 +42,7 @@ import torch
 
 from coordinator.draft_length import DraftLength
 from coordinator.speculation_gate import SpeculationGate
-from engine.checkpoint import load_checkpoint
+from engine.checkpoint import AUTO_DTYPE, DTYPES, load_checkpoint
 from engine.device import resolve_device
 from engine.draft import DraftRuntime
 from engine.sampling import SamplingParams
@@ -114,8 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bandwidth-mb", type=int, default=256, help="tensor size of the memory bandwidth probe")
     parser.add_argument("--device", default="cpu",
                         help="device of the in-process engine systems (a, d); the HF and gRPC systems need cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="weights and KV dtype of the in-process engine systems")
+    parser.add_argument("--dtype", default=AUTO_DTYPE, choices=[AUTO_DTYPE, *DTYPES],
+                        help="weights and KV dtype of the in-process engine systems (auto, as `serve`, which the "
+                             "gRPC systems run with: each checkpoint's saved dtype where the device computes in it "
+                             "natively, else float32)")
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile of a BASS run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--json", default=None, help="write all results (with outputs) to this path")
