@@ -91,6 +91,11 @@ class DraftRuntime(ModelRuntime):
         super().__init__(checkpoint, **runtime_options)
         self.prompt_lookup = prompt_lookup
         self.confidence_floor = confidence_floor
+        # A subset-vocabulary draft samples within its own support (target ids, ascending so ties break as
+        # over the whole vocabulary): 7k ids instead of 49k for the default draft.
+        token_map = checkpoint.token_map
+        self._support = None if token_map is None else token_map.mapped_ids.sort().values
+        self._support_ids = None if self._support is None else self._support.cpu().numpy()
 
     def _start_sequences(self, group: GroupInput, states: Sequence[SequenceState], logits: torch.Tensor
                          ) -> dict[int, int]:
@@ -136,6 +141,8 @@ class DraftRuntime(ModelRuntime):
             chance = [1.0] * len(states)  # estimated chance that the target accepts the row's whole proposal
             for step in range(draft_len):
                 logits = self.forward(tokens, widths, batch.decoded(), batch.kv, last_only=True)
+                if self._support is not None:  # the draft's probability is 0 elsewhere
+                    logits = logits[:, self._support]
                 fed = widths.tolist()
                 for state, width in zip(states, fed, strict=True):
                     state.decoded += width
@@ -145,9 +152,12 @@ class DraftRuntime(ModelRuntime):
                                      strict=True)
                 # one uniform per row still proposing (lookup rows too): a row's stream is its own business
                 drawing = [row for row, width in enumerate(fed) if width]
-                drawn = torch.zeros(len(states), dtype=torch.long)
+                drawn = torch.zeros(len(states), dtype=torch.long, device=logits.device)
                 drawn[drawing] = sample(torch.stack([dense[row] for row in drawing]),
                                         [generators[row] for row in drawing])
+                if self._support is not None:  # support positions -> target ids
+                    drawn = self._support[drawn]
+                    compact = [None if c is None else c.relabeled(self._support_ids) for c in compact]
                 if step == 0:  # lookup leads where it has been right more often than the model
                     looked_up = [s.lookup.choose(found, model) if s.lookup is not None else []
                                  for s, found, model in zip(states, looked_up, drawn.tolist(), strict=True)]

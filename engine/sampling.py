@@ -231,6 +231,11 @@ class CompactDistribution:
     token_ids: np.ndarray  # int32 [S]
     probs_fp16: bytes  # little-endian float16 [S]
 
+    def relabeled(self, ids: np.ndarray) -> CompactDistribution:
+        """The same probabilities on ``ids[t]`` for each token id t (e.g. a draft's own rows to the target's ids);
+        ``ids`` must be one-to-one."""
+        return CompactDistribution(token_ids=ids[self.token_ids].astype(np.int32), probs_fp16=self.probs_fp16)
+
     def to_dense(self, vocab_size: int) -> torch.Tensor:
         """Return the encoded distribution as a dense float32 ``[vocab_size]`` tensor summing to 1.
 
