@@ -22,12 +22,19 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import GroupInput, SequenceState, pad_windows
+from engine.batch import Batch, GroupInput, SequenceState, pad_windows
 from engine.checkpoint import Checkpoint
 from engine.errors import InvalidInput
 from engine.prompt_lookup import DEFAULT_NGRAM_SIZES, LookupScore, PromptLookup, PromptNgrams, check_ngram_sizes
 from engine.runtime import ModelRuntime
-from engine.sampling import CompactDistribution, draft_distribution, point_distribution, process_logits, sample
+from engine.sampling import (
+    CompactDistribution,
+    SamplingParams,
+    draft_distribution,
+    point_distribution,
+    process_logits,
+    sample,
+)
 
 # Stop a sequence's proposal before its estimated chance of full acceptance falls below this: about where a
 # verified token's cost on a 2-core CPU equals its expected saving (docs/design.md, "Per-sequence draft length").
@@ -106,6 +113,31 @@ class DraftRuntime(ModelRuntime):
                 state.lookup = PromptLookup(ngrams, score)
         return {}
 
+    def _apply_verdicts(self, batch: Batch, updates: dict[int, tuple[int, int, Sequence[int]]]) -> None:
+        """Check last round's verdicts (every live sequence once, token ids in the vocabulary) and apply them."""
+        vocab = self.checkpoint.vocab_size
+        verdicts = batch.in_row_order(updates, "updates")
+        for _, token, catch_up in verdicts:
+            bad = [t for t in (token, *catch_up) if not 0 <= t < vocab]
+            if bad:
+                raise InvalidInput(f"update token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        for state, (accepted, token, catch_up) in zip(batch.sequences, verdicts, strict=True):
+            apply_verdict(state, accepted, token, catch_up)
+
+    def _draw(self, logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+              fed: Sequence[int]) -> tuple[torch.Tensor, list[CompactDistribution | None]]:
+        """One token per row that is still proposing (``fed`` a token this step), drawn from its processed
+        distribution over ``logits`` (the draft's support), with one uniform from its own generator; returns
+        the target ids (0 in the other rows) and, per sampling row, the compact distribution it came from."""
+        probs = process_logits(logits, params)
+        dense, compact = zip(*(draft_distribution(probs[row], p.greedy) for row, p in enumerate(params)), strict=True)
+        drawing = [row for row, width in enumerate(fed) if width]
+        drawn = torch.zeros(len(params), dtype=torch.long, device=logits.device)
+        drawn[drawing] = sample(torch.stack([dense[row] for row in drawing]), [generators[row] for row in drawing])
+        if self._support is None:
+            return drawn, list(compact)
+        return self._support[drawn], [None if c is None else c.relabeled(self._support_ids) for c in compact]
+
     def propose(self, batch_id: str, updates: dict[int, tuple[int, int, Sequence[int]]], draft_len: int,
                 release: Iterable[int] = ()) -> list[DraftProposal]:
         """Apply last round's verdicts {sequence id: (accepted_len, next_token, catch-up tokens)} (every
@@ -119,17 +151,10 @@ class DraftRuntime(ModelRuntime):
         """
         if draft_len < 0:
             raise InvalidInput(f"draft_len must be >= 0, got {draft_len}")
-        vocab = self.checkpoint.vocab_size
         with self.lock:
             batch = self.get_batch(batch_id)
             self.release_in_batch(batch, release)
-            verdicts = batch.in_row_order(updates, "updates")
-            for _, token, catch_up in verdicts:
-                bad = [t for t in (token, *catch_up) if not 0 <= t < vocab]
-                if bad:
-                    raise InvalidInput(f"update token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-            for state, (accepted, token, catch_up) in zip(batch.sequences, verdicts, strict=True):
-                apply_verdict(state, accepted, token, catch_up)
+            self._apply_verdicts(batch, updates)
             states = batch.sequences
             proposals = [DraftProposal(s.sequence_id, [], []) for s in states]
             if draft_len == 0 or not states:
@@ -147,22 +172,12 @@ class DraftRuntime(ModelRuntime):
                 for state, width in zip(states, fed, strict=True):
                     state.decoded += width
                     state.pending = []
-                probs = process_logits(logits, params)
-                dense, compact = zip(*(draft_distribution(probs[row], p.greedy) for row, p in enumerate(params)),
-                                     strict=True)
-                # one uniform per row still proposing (lookup rows too): a row's stream is its own business
-                drawing = [row for row, width in enumerate(fed) if width]
-                drawn = torch.zeros(len(states), dtype=torch.long, device=logits.device)
-                drawn[drawing] = sample(torch.stack([dense[row] for row in drawing]),
-                                        [generators[row] for row in drawing])
-                if self._support is not None:  # support positions -> target ids
-                    drawn = self._support[drawn]
-                    compact = [None if c is None else c.relabeled(self._support_ids) for c in compact]
+                drawn, compact = self._draw(logits, params, generators, fed)
                 if step == 0:  # lookup leads where it has been right more often than the model
                     looked_up = [s.lookup.choose(found, model) if s.lookup is not None else []
                                  for s, found, model in zip(states, looked_up, drawn.tolist(), strict=True)]
                 confidence = torch.softmax(logits, dim=-1).amax(dim=-1).tolist() if self.confidence_floor else None
-                dists = list(compact)
+                dists = compact
                 for row, found in enumerate(looked_up):
                     if step < len(found):
                         drawn[row] = found[step]
