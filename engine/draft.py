@@ -41,6 +41,12 @@ from engine.sampling import (
 DEFAULT_CONFIDENCE_FLOOR = 0.3
 
 
+def check_confidence_floor(floor: float) -> None:
+    """Raise ValueError unless ``floor`` is in [0, 1): the confidence floors a draft can stop proposals at."""
+    if not 0.0 <= floor < 1.0:
+        raise ValueError(f"confidence_floor must be in [0, 1), got {floor}")
+
+
 @dataclass
 class DraftProposal:
     """k proposed tokens of one sequence and, when sampling, the distribution each was drawn from; the first
@@ -93,8 +99,7 @@ class DraftRuntime(ModelRuntime):
         [0, 1); 0: every proposal is ``draft_len`` long). Raises ValueError for bad sizes or floor."""
         if prompt_lookup is not None:
             check_ngram_sizes(*prompt_lookup)
-        if not 0.0 <= confidence_floor < 1.0:
-            raise ValueError(f"confidence_floor must be in [0, 1), got {confidence_floor}")
+        check_confidence_floor(confidence_floor)
         super().__init__(checkpoint, **runtime_options)
         self.prompt_lookup = prompt_lookup
         self.confidence_floor = confidence_floor

@@ -8,7 +8,7 @@ import logging
 
 from coordinator.speculation_gate import PROBE_EVERY
 from engine.checkpoint import AUTO_DTYPE, DTYPES
-from engine.draft import DEFAULT_CONFIDENCE_FLOOR
+from engine.draft import DEFAULT_CONFIDENCE_FLOOR, check_confidence_floor
 from engine.prompt_lookup import DEFAULT_NGRAM_SIZES, check_ngram_sizes
 from engine.roles import MODEL_ROLES
 
@@ -88,8 +88,10 @@ def _confidence_floor(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"the confidence floor must be in [0, 1), got {text!r}")
+    try:
+        check_confidence_floor(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{error} (got {text!r})") from None
     return value
 
 

@@ -27,6 +27,7 @@ from engine.checkpoint import load_checkpoint
 from engine.draft import DraftRuntime
 from engine.sampling import SamplingParams, process_logits
 from engine.target import TargetRuntime
+from specserve.cli import build_parser
 
 VOCAB = 32
 SAMPLES = 6000
@@ -224,3 +225,12 @@ def test_same_seed_same_completions(pair):
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
 
+
+
+@pytest.mark.parametrize("floor", [-0.1, 1.0])
+def test_confidence_floor_is_checked(pair, floor):
+    """The runtime and the ``serve draft`` flag refuse a floor outside [0, 1), with one message."""
+    with pytest.raises(ValueError, match=r"confidence_floor must be in \[0, 1\)"):
+        DraftRuntime(pair[1].checkpoint, confidence_floor=floor)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "draft", "--confidence-floor", str(floor)])
