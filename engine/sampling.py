@@ -47,6 +47,7 @@ __all__ = [
     "SamplingParams",
     "compact_distribution",
     "draft_distribution",
+    "greedy_accept",
     "point_distribution",
     "process_logits",
     "sample",
@@ -124,40 +125,35 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
         p.validate()
     device = logits.device
     x = logits.float()
-    out = torch.zeros((n_rows, vocab), dtype=torch.float32, device=device)
-    if n_rows == 0:
-        return out
-
-    greedy = [p.greedy for p in params]
-    greedy_rows = [i for i, g in enumerate(greedy) if g]
-    sample_rows = [i for i, g in enumerate(greedy) if not g]
-
-    if greedy_rows:
-        idx = torch.tensor(greedy_rows, dtype=torch.long, device=device)
-        top1 = x[idx].argmax(dim=-1, keepdim=True)
-        out[idx] = torch.zeros((len(greedy_rows), vocab), dtype=torch.float32, device=device).scatter_(
-            -1, top1, 1.0
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    sample_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not sample_rows:  # all greedy (or no rows): the one-hots, built in place
+        return torch.zeros((n_rows, vocab), dtype=torch.float32, device=device).scatter_(
+            -1, x.argmax(dim=-1, keepdim=True), 1.0)
+    idx = torch.tensor(sample_rows, dtype=torch.long, device=device)
+    xs = x if not greedy_rows else x[idx]
+    temps = torch.tensor([params[i].temperature for i in sample_rows], dtype=torch.float32, device=device)
+    # Shifting by the row max first is mathematically a no-op for the softmax but keeps tiny
+    # temperatures from overflowing logits / T to inf.
+    xs = (xs - xs.amax(dim=-1, keepdim=True)) / temps.unsqueeze(-1)
+    probs = torch.softmax(xs, dim=-1)
+    top_k = [params[i].top_k for i in sample_rows]
+    top_p = [params[i].top_p for i in sample_rows]
+    needs = [j for j in range(len(sample_rows)) if 0 < top_k[j] < vocab or top_p[j] < 1.0]
+    if needs:
+        sub = torch.tensor(needs, dtype=torch.long, device=device)
+        probs[sub] = _filter_top_k_top_p(
+            probs[sub],
+            torch.tensor([top_k[j] for j in needs], dtype=torch.long, device=device),
+            torch.tensor([top_p[j] for j in needs], dtype=torch.float64, device=device),
         )
-
-    if sample_rows:
-        idx = torch.tensor(sample_rows, dtype=torch.long, device=device)
-        xs = x[idx]
-        temps = torch.tensor([params[i].temperature for i in sample_rows], dtype=torch.float32, device=device)
-        # Shifting by the row max first is mathematically a no-op for the softmax but keeps tiny
-        # temperatures from overflowing logits / T to inf.
-        xs = (xs - xs.amax(dim=-1, keepdim=True)) / temps.unsqueeze(-1)
-        probs = torch.softmax(xs, dim=-1)
-        top_k = [params[i].top_k for i in sample_rows]
-        top_p = [params[i].top_p for i in sample_rows]
-        needs = [j for j in range(len(sample_rows)) if 0 < top_k[j] < vocab or top_p[j] < 1.0]
-        if needs:
-            sub = torch.tensor(needs, dtype=torch.long, device=device)
-            probs[sub] = _filter_top_k_top_p(
-                probs[sub],
-                torch.tensor([top_k[j] for j in needs], dtype=torch.long, device=device),
-                torch.tensor([top_p[j] for j in needs], dtype=torch.float64, device=device),
-            )
-        out[idx] = probs
+    if not greedy_rows:
+        return probs
+    out = torch.zeros((n_rows, vocab), dtype=torch.float32, device=device)
+    gidx = torch.tensor(greedy_rows, dtype=torch.long, device=device)
+    out[gidx] = torch.zeros((len(greedy_rows), vocab), dtype=torch.float32, device=device).scatter_(
+        -1, x[gidx].argmax(dim=-1, keepdim=True), 1.0)
+    out[idx] = probs
     return out
 
 
@@ -325,6 +321,24 @@ def _correction_distribution(p: torch.Tensor, q: torch.Tensor, rejected: torch.T
     return torch.where(use_residual.unsqueeze(-1), residual, p)
 
 
+def greedy_accept(top: torch.Tensor, draft_tokens: torch.Tensor, draft_lens: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification; returns ``(accepted_len [B], next_token [B])`` int64 on ``top``'s device.
+
+    ``top [B, K+1]``: the target's argmax token at each window position (position ``i`` predicts draft token
+    ``i``); ``draft_tokens [B, K]`` padded, ``draft_lens [B]`` in ``[0, K]``. A row accepts the longest
+    prefix of its ``k_b`` draft tokens that equals the argmax and emits the argmax after it. Equal to
+    ``verify_proposals`` on the one-hot greedy distributions of ``process_logits``, without building them.
+    """
+    k_max = top.shape[1] - 1
+    device = top.device
+    lens = draft_lens.to(device=device, dtype=torch.long)
+    valid = torch.arange(k_max, device=device).unsqueeze(0) < lens.unsqueeze(-1)
+    accept = valid & (draft_tokens.to(device=device, dtype=torch.long) == top[:, :k_max])
+    accepted_len = accept.long().cumprod(dim=-1).sum(dim=-1)
+    return accepted_len, top.gather(1, accepted_len.unsqueeze(-1)).squeeze(-1)
+
+
 def verify_proposals(
     target_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -383,7 +397,7 @@ def verify_proposals(
     s_idx = torch.tensor(s_rows, dtype=torch.long, device=device)
 
     if g_rows:
-        accept[g_idx] = tokens[g_idx] == p_window[g_idx].argmax(dim=-1)
+        g_accepted, g_next = greedy_accept(target_probs[g_idx].argmax(dim=-1), tokens[g_idx], lens[g_idx])
 
     u_final = None
     if s_rows:
@@ -408,7 +422,8 @@ def verify_proposals(
     accepted_len = accept.long().cumprod(dim=-1).sum(dim=-1)  # length of the all-accepted prefix
 
     if g_rows:
-        next_token[g_idx] = target_probs[g_idx, accepted_len[g_idx]].argmax(dim=-1)
+        accepted_len[g_idx] = g_accepted
+        next_token[g_idx] = g_next
     if s_rows:
         assert u_final is not None
         pos = accepted_len[s_idx]

@@ -11,7 +11,7 @@ from opentelemetry import trace
 from engine.batch import GroupInput, SequenceState, pad_windows
 from engine.errors import InvalidInput
 from engine.runtime import ModelRuntime
-from engine.sampling import CompactDistribution, process_logits, sample, verify_proposals
+from engine.sampling import CompactDistribution, greedy_accept, process_logits, sample, verify_proposals
 
 _tracer = trace.get_tracer("specserve.engine")
 
@@ -58,7 +58,6 @@ class TargetRuntime(ModelRuntime):
         rejection sampling, so their output has exactly the target's distribution. An empty proposal
         is a plain decode step. Verdicts come back in row order.
         """
-        vocab = self.checkpoint.vocab_size
         with self.lock:
             batch = self.get_batch(batch_id)
             self.release_in_batch(batch, release)
@@ -71,24 +70,47 @@ class TargetRuntime(ModelRuntime):
             windows = [s.pending + tokens for s, (tokens, _) in zip(states, ordered, strict=True)]
             tokens, widths = pad_windows(windows)
             logits = self.forward(tokens, widths, batch.decoded(), batch.kv, last_only=False)
-            rows, width = tokens.shape
-            params = [s.params for s in states for _ in range(width)]
-            target_probs = process_logits(logits.reshape(rows * width, -1), params).view(rows, width, -1)
-            draft_lens = widths - 1
-            greedy = torch.tensor([s.params.greedy for s in states])
-            draft_probs = None
-            if not bool(greedy.all()) and width > 1:
-                dense = torch.zeros(rows, width - 1, vocab)
-                for row, (_, dists) in enumerate(ordered):
-                    for position, dist in enumerate(dists):
-                        dense[row, position] = dist.to_dense(vocab)
-                draft_probs = dense.to(logits.device)
             with _tracer.start_as_current_span("target.accept"):  # no-op unless the service traces
-                accepted, nxt = verify_proposals(target_probs, tokens[:, 1:], draft_lens, draft_probs, greedy,
-                                                 [s.generator for s in states])
+                accepted, nxt = self._decide(states, [dists for _, dists in ordered], logits, tokens[:, 1:],
+                                             widths - 1)
             verdicts = []
             for state, a, c in zip(states, accepted.tolist(), nxt.tolist(), strict=True):
                 state.decoded += 1 + a
                 state.pending = [c]
                 verdicts.append(Verdict(state.sequence_id, a, c))
             return verdicts
+
+    def _decide(self, states: Sequence[SequenceState], distributions: Sequence[list[CompactDistribution]],
+                logits: torch.Tensor, draft_tokens: torch.Tensor, draft_lens: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted_len [B], next_token [B]) on the host for the rows' windows (``logits`` [B, K+1, V]):
+        greedy rows from the logits' argmax alone, sampling rows by lossless rejection sampling over their
+        processed distributions (only those rows' distributions are built)."""
+        rows, width, vocab = logits.shape
+        accepted = torch.zeros(rows, dtype=torch.long)
+        nxt = torch.zeros(rows, dtype=torch.long)
+        greedy = [i for i, s in enumerate(states) if s.params.greedy]
+        sampling = [i for i, s in enumerate(states) if not s.params.greedy]
+        if greedy:
+            index = torch.tensor(greedy)
+            top = (logits if len(greedy) == rows else logits[index.to(logits.device)]).argmax(dim=-1)
+            a, c = greedy_accept(top, draft_tokens[index], draft_lens[index])
+            accepted[index], nxt[index] = a.cpu(), c.cpu()
+        if sampling:
+            index = torch.tensor(sampling)
+            sub = logits if len(sampling) == rows else logits[index.to(logits.device)]
+            params = [states[i].params for i in sampling for _ in range(width)]
+            target_probs = process_logits(sub.reshape(len(sampling) * width, vocab), params).view(
+                len(sampling), width, vocab)
+            draft_probs = None
+            if width > 1:
+                dense = torch.zeros(len(sampling), width - 1, vocab)
+                for row, i in enumerate(sampling):
+                    for position, dist in enumerate(distributions[i]):
+                        dense[row, position] = dist.to_dense(vocab)
+                draft_probs = dense.to(logits.device)
+            a, c = verify_proposals(target_probs, draft_tokens[index], draft_lens[index], draft_probs,
+                                    torch.zeros(len(sampling), dtype=torch.bool),
+                                    [states[i].generator for i in sampling])
+            accepted[index], nxt[index] = a.cpu(), c.cpu()
+        return accepted, nxt

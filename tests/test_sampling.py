@@ -24,6 +24,7 @@ from engine.sampling import (
     SamplingParams,
     compact_distribution,
     draft_distribution,
+    greedy_accept,
     process_logits,
     sample,
     sequence_generator,
@@ -297,6 +298,25 @@ def test_greedy_accepts_matching_prefix() -> None:
     assert nxt.tolist() == [4, 2, 3, 5, 3]
     assert accepted.dtype == torch.int64 and nxt.dtype == torch.int64
     assert all(torch.equal(s, g.get_state()) for s, g in zip(states, gens, strict=True))  # no draws
+
+
+def test_greedy_accept_from_argmax_equals_verify_on_one_hots() -> None:
+    """greedy_accept on the argmax tokens decides exactly what verify_proposals decides on the one-hot
+    distributions process_logits makes of the same logits (random logits, ties included, ragged lengths)."""
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(20):
+        batch, k_max, vocab = 6, 4, 5
+        logits = torch.randint(0, 3, (batch, k_max + 1, vocab), generator=gen).float()  # many ties
+        lens = torch.randint(0, k_max + 1, (batch,), generator=gen)
+        top = logits.argmax(dim=-1)
+        tokens = torch.where(torch.rand(batch, k_max, generator=gen) < 0.7, top[:, :k_max],
+                             torch.randint(0, vocab, (batch, k_max), generator=gen))
+        probs = process_logits(logits.view(-1, vocab), [SamplingParams()] * (batch * (k_max + 1)))
+        expected = verify_proposals(probs.view(batch, k_max + 1, vocab), tokens, lens, None,
+                                    torch.ones(batch, dtype=torch.bool),
+                                    [sequence_generator(0, i, "target") for i in range(batch)])
+        got = greedy_accept(top, tokens, lens)
+        assert [t.tolist() for t in got] == [t.tolist() for t in expected], trial
 
 
 def test_empty_window_and_mixed_greedy_sampling_rows() -> None:

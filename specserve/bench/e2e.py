@@ -115,8 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu",
                         help="device of the in-process engine systems (a, d); the HF and gRPC systems need cpu")
     parser.add_argument("--dtype", default=AUTO_DTYPE, choices=[AUTO_DTYPE, *DTYPES],
-                        help="weights and KV dtype of the in-process engine systems (auto, as `serve`, which the "
-                             "gRPC systems run with: each checkpoint's saved dtype where the device computes in it "
+                        help="weights and KV dtype of every specserve system, in-process and the gRPC services "
+                             "(auto, as `serve`: each checkpoint's saved dtype where the device computes in it "
                              "natively, else float32)")
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile of a BASS run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -160,6 +160,7 @@ class Harness:
             log_dir = Path(tempfile.mkdtemp(prefix=f"specserve-bench-{system}-"))
             draft = self.args.draft_model if GRPC_SYSTEMS[system] else None
             deployment = Deployment(self.args.target_model, draft, log_dir=log_dir, env=env,
+                                    model_args=["--dtype", self.args.dtype],
                                     coordinator_args=["--draft-len", str(self.args.draft_len),
                                                       "--max-draft-len", str(self.args.max_draft_len)])
             self.deployments[system] = deployment.start()
