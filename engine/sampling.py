@@ -127,9 +127,8 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     x = logits.float()
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     sample_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not sample_rows:  # all greedy (or no rows): the one-hots, built in place
-        return torch.zeros((n_rows, vocab), dtype=torch.float32, device=device).scatter_(
-            -1, x.argmax(dim=-1, keepdim=True), 1.0)
+    if not sample_rows:  # all greedy (or no rows)
+        return _argmax_one_hots(x)
     idx = torch.tensor(sample_rows, dtype=torch.long, device=device)
     xs = x if not greedy_rows else x[idx]
     temps = torch.tensor([params[i].temperature for i in sample_rows], dtype=torch.float32, device=device)
@@ -151,10 +150,14 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
         return probs
     out = torch.zeros((n_rows, vocab), dtype=torch.float32, device=device)
     gidx = torch.tensor(greedy_rows, dtype=torch.long, device=device)
-    out[gidx] = torch.zeros((len(greedy_rows), vocab), dtype=torch.float32, device=device).scatter_(
-        -1, x[gidx].argmax(dim=-1, keepdim=True), 1.0)
+    out[gidx] = _argmax_one_hots(x[gidx])
     out[idx] = probs
     return out
+
+
+def _argmax_one_hots(x: torch.Tensor) -> torch.Tensor:
+    """float32 one-hots [N, V] of each row's argmax (ties: lowest index)."""
+    return torch.zeros(x.shape, dtype=torch.float32, device=x.device).scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
 
 
 def _filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

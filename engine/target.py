@@ -93,12 +93,12 @@ class TargetRuntime(ModelRuntime):
         sampling = [i for i, s in enumerate(states) if not s.params.greedy]
         if greedy:
             index = torch.tensor(greedy)
-            top = (logits if len(greedy) == rows else logits[index.to(logits.device)]).argmax(dim=-1)
+            top = _rows(logits, index).argmax(dim=-1)
             a, c = greedy_accept(top, draft_tokens[index], draft_lens[index])
             accepted[index], nxt[index] = a.cpu(), c.cpu()
         if sampling:
             index = torch.tensor(sampling)
-            sub = logits if len(sampling) == rows else logits[index.to(logits.device)]
+            sub = _rows(logits, index)
             params = [states[i].params for i in sampling for _ in range(width)]
             target_probs = process_logits(sub.reshape(len(sampling) * width, vocab), params).view(
                 len(sampling), width, vocab)
@@ -114,3 +114,8 @@ class TargetRuntime(ModelRuntime):
                                     [states[i].generator for i in sampling])
             accepted[index], nxt[index] = a.cpu(), c.cpu()
         return accepted, nxt
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The rows ``index`` (host, ascending) of x: x itself, uncopied, when they are all of its rows."""
+    return x if len(index) == x.shape[0] else x[index.to(x.device)]
