@@ -4,13 +4,15 @@ Same contract as :func:`kernels.bifurcated.bifurcated_attention`:
 
 * ``_context_kernel``: one program per (tile of folded rows of one group, kv head). The folded rows of
   group ``g`` are its ``n`` samples x ``r`` query heads sharing the kv head x ``W`` window positions; the
-  program loops over the group's prefix in blocks of ``BLOCK_N`` keys with an online softmax and writes
-  ``o`` (fp32) and ``lse``. The prefix is read in place, once per tile: never expanded n-fold.
-* ``_decode_kernel``: one program per (row, kv head, tile of the ``r * W`` folded rows), looping over the
-  row's decode keys with the causal-window mask ``j < min(decode_base[b] + i + 1, decode_lens[b])``; a query
-  with no visible key gets ``o = 0``, ``lse = -inf``.
-* ``_merge_kernel``: ``o = (e^lse1 o1 + e^lse2 o2) / (e^lse1 + e^lse2)`` with the max subtracted, written
-  in ``q``'s dtype.
+  program loops over the group's prefix in blocks of ``BLOCK_N`` keys with an online softmax. The prefix is
+  read in place, once per tile: never expanded n-fold. With ``WITH_DECODE`` (``bifurcated_attention_triton``)
+  the same program then folds in the decode keys of each sample of its tile, row by row with the
+  causal-window mask ``j < min(decode_base[b] + i + 1, decode_lens[b])``, and writes the final output in
+  ``q``'s dtype: the whole attention of a layer is one launch, and the two parts need no merge (one running
+  softmax covers both). Without it (the context part of cascade attention) it writes ``o`` (fp32) and ``lse``.
+* ``_decode_kernel``: one program per (row, kv head, tile of the ``r * W`` folded rows) over the row's decode
+  keys alone, writing ``o`` and ``lse`` (the decode part of cascade attention); a query with no visible key
+  gets ``o = 0``, ``lse = -inf``.
 
 Under the interpreter the environment variable ``TRITON_INTERPRET=1`` must be set before ``triton`` is
 imported (the kernels are decorated at import time).
@@ -37,18 +39,69 @@ _LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _attend_block(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+    """One online-softmax step of folded queries q [M, D] over a block of keys/values [N, D]: scores of
+    invisible pairs are dropped; returns the updated running (max, sum, accumulator) in the log2 domain."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _finish(m_i, l_i, acc):
+    """(normalised output, natural-log LSE) of a running state; a query that saw no key gets (0, -inf)."""
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def _load_kv(ptrs, mask, DOT_FP32: tl.constexpr):
+    """A block of keys or values, upcast to fp32 where tl.dot runs in fp32."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if DOT_FP32:  # the CPU interpreter's tl.dot is wrong for bf16/fp16 operands (triton 3.9)
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _row_decode_keys(q, k_base, v_base, stride_kc, stride_kd, stride_vc, stride_vd, offs_d, d_ok, length,
+                     limit, mine, m_i, l_i, acc, qk_scale,
+                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Fold one row's decode keys ``j < min(limit, length)`` into the running state of the folded queries
+    ``mine`` (the other queries of q see none of them)."""
+    for start in range(0, length, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n < length)[:, None] & d_ok[None, :]
+        k = _load_kv(k_base + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd, kv_mask, DOT_FP32)
+        v = _load_kv(v_base + offs_n[:, None] * stride_vc + offs_d[None, :] * stride_vd, kv_mask, DOT_FP32)
+        visible = (offs_n[None, :] < limit[:, None]) & mine[:, None]
+        m_i, l_i, acc = _attend_block(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _context_kernel(
-    Q, K, V, Out, LSE,
+    Q, K, V, Out, LSE, DK, DV, BASE, LENS,
     TILE_GROUP, TILE_START, PREFIX_OFF, GROUP_OFF,
     stride_qb, stride_qh, stride_qw, stride_qd,
     stride_kh, stride_kp, stride_kd,
     stride_vh, stride_vp, stride_vd,
+    stride_dkb, stride_dkh, stride_dkc, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvc, stride_dvd,
     stride_ob, stride_oh, stride_ow,
     stride_lb, stride_lh,
     qk_scale,
     R: tl.constexpr, W: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, WITH_DECODE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -71,9 +124,7 @@ def _context_kernel(
 
     q_ptrs = (Q + row[:, None] * stride_qb + head[:, None] * stride_qh + pos[:, None] * stride_qw
               + offs_d[None, :] * stride_qd)
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_FP32:  # the CPU interpreter's tl.dot is wrong for bf16/fp16 operands (triton 3.9)
-        q = q.to(tl.float32)
+    q = _load_kv(q_ptrs, row_ok[:, None] & d_ok[None, :], DOT_FP32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -82,31 +133,30 @@ def _context_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < p_hi
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kvh * stride_kh + offs_n[:, None] * stride_kp + offs_d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kvh * stride_vh + offs_n[:, None] * stride_vp + offs_d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        k = _load_kv(K + kvh * stride_kh + offs_n[:, None] * stride_kp + offs_d[None, :] * stride_kd, kv_mask,
+                     DOT_FP32)
+        v = _load_kv(V + kvh * stride_vh + offs_n[:, None] * stride_vp + offs_d[None, :] * stride_vd, kv_mask,
+                     DOT_FP32)
+        m_i, l_i, acc = _attend_block(q, k, v, n_ok[None, :], m_i, l_i, acc, qk_scale, PRECISION)
 
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o_ptrs = (Out + row[:, None] * stride_ob + head[:, None] * stride_oh + pos[:, None] * stride_ow
               + offs_d[None, :])
-    tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + row * stride_lb + head * stride_lh + pos, lse, mask=row_ok)
+    if WITH_DECODE:  # the whole attention in this launch: each sample of the tile adds its own decode keys
+        last = tl.minimum((m_start + BLOCK_M - 1) // (R * W), row_hi - row_lo - 1)
+        for s in range(m_start // (R * W), last + 1):
+            b = row_lo + s
+            length = tl.load(LENS + b)
+            limit = tl.minimum(tl.load(BASE + b) + pos + 1, length)
+            m_i, l_i, acc = _row_decode_keys(
+                q, DK + b * stride_dkb + kvh * stride_dkh, DV + b * stride_dvb + kvh * stride_dvh,
+                stride_dkc, stride_dkd, stride_dvc, stride_dvd, offs_d, d_ok, length, limit,
+                row_ok & (sample == s), m_i, l_i, acc, qk_scale, BLOCK_N, PRECISION, DOT_FP32)
+        out, _ = _finish(m_i, l_i, acc)
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        out, lse = _finish(m_i, l_i, acc)
+        tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + row * stride_lb + head * stride_lh + pos, lse, mask=row_ok)
 
 
 @triton.jit
@@ -130,74 +180,24 @@ def _decode_kernel(
     pos = offs_m % W
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    base = tl.load(BASE + row)
     length = tl.load(LENS + row)
-    limit = tl.minimum(base + pos + 1, length)  # [BLOCK_M]
+    limit = tl.minimum(tl.load(BASE + row) + pos + 1, length)  # [BLOCK_M]
 
     q_ptrs = (Q + row * stride_qb + head[:, None] * stride_qh + pos[:, None] * stride_qw
               + offs_d[None, :] * stride_qd)
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_FP32:  # the CPU interpreter's tl.dot is wrong for bf16/fp16 operands (triton 3.9)
-        q = q.to(tl.float32)
+    q = _load_kv(q_ptrs, row_ok[:, None] & d_ok[None, :], DOT_FP32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    k_base = K + row * stride_kb + kvh * stride_kh
-    v_base = V + row * stride_vb + kvh * stride_vh
-    for start in range(0, length, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < length
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = (offs_n[None, :] < limit[:, None]) & row_ok[:, None]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + offs_n[:, None] * stride_vc + offs_d[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    m_i, l_i, acc = _row_decode_keys(
+        q, K + row * stride_kb + kvh * stride_kh, V + row * stride_vb + kvh * stride_vh, stride_kc, stride_kd,
+        stride_vc, stride_vd, offs_d, d_ok, length, limit, row_ok, m_i, l_i, acc, qk_scale, BLOCK_N, PRECISION,
+        DOT_FP32)
+    out, lse = _finish(m_i, l_i, acc)
     o_ptrs = Out + row * stride_ob + head[:, None] * stride_oh + pos[:, None] * stride_ow + offs_d[None, :]
     tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE + row * stride_lb + head * stride_lh + pos, lse, mask=row_ok)
-
-
-@triton.jit
-def _merge_kernel(
-    O1, L1, O2, L2, OUT, N,
-    D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = offs_r < N
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = r_ok[:, None] & (offs_d[None, :] < D)
-    l1 = tl.load(L1 + offs_r, mask=r_ok, other=float("-inf"))
-    l2 = tl.load(L2 + offs_r, mask=r_ok, other=float("-inf"))
-    m = tl.maximum(l1, l2)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w1 = tl.exp(l1 - m)
-    w2 = tl.exp(l2 - m)
-    denom = w1 + w2
-    denom = tl.where(denom > 0, denom, 1.0)
-    ptrs = offs_r[:, None] * D + offs_d[None, :]
-    o1 = tl.load(O1 + ptrs, mask=mask, other=0.0)
-    o2 = tl.load(O2 + ptrs, mask=mask, other=0.0)
-    out = o1 * (w1 / denom)[:, None] + o2 * (w2 / denom)[:, None]
-    tl.store(OUT + ptrs, out.to(OUT.dtype.element_ty), mask=mask)
 
 
 def _blocks(device: torch.device) -> tuple[int, int]:
@@ -283,30 +283,28 @@ def _check_runnable(q: torch.Tensor) -> None:
         )
 
 
-def merge_attention_states_triton(
-    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """Triton merge of two fp32 attention states [..., D] / [...] over disjoint keys, in ``out_dtype``.
-
-    Same guarantees as :func:`kernels.bifurcated.merge_attention_states` (an empty part, lse = -inf, has
-    weight 0; both empty gives 0).
-    """
-    _check_runnable(o1)
-    shape = o1.shape
-    dim = shape[-1]
-    o1f = o1.reshape(-1, dim).to(torch.float32).contiguous()
-    o2f = o2.reshape(-1, dim).to(torch.float32).contiguous()
-    l1 = lse1.reshape(-1).to(torch.float32).contiguous()
-    l2 = lse2.reshape(-1).to(torch.float32).contiguous()
-    rows = o1f.shape[0]
-    out = torch.empty(rows, dim, dtype=out_dtype, device=o1.device)
-    if rows == 0:
-        return out.reshape(shape)
-    block_r = 16
-    _merge_kernel[(triton.cdiv(rows, block_r),)](
-        o1f, l1, o2f, l2, out, rows, D=dim, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(max(dim, 16))
+def _launch_context(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, prefix_offsets: list[int],
+                    group_offsets: list[int], scale: float, out: torch.Tensor, lse: torch.Tensor,
+                    decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+    """Launch ``_context_kernel`` once for the whole batch: into ``out``/``lse`` (fp32) over the prefixes, or
+    with ``decode = (decode_k, decode_v, base, lens)`` the whole attention into ``out`` (``lse`` unused)."""
+    r = validate_layout(q, prefix_k, prefix_v, prefix_offsets, group_offsets)
+    block_m, block_n = _blocks(q.device)
+    tiles, tile_args = _context_tiles(prefix_offsets, group_offsets, r * q.shape[2], block_m, q.device)
+    if not tiles:
+        return
+    if decode is None:  # the decode operands are never read: any tensors, zero strides
+        decode_args, decode_strides = (q, q, tile_args[0], tile_args[0]), (0,) * 8
+    else:
+        decode_k, decode_v, base, lens = decode
+        decode_args = (decode_k, decode_v, base.to(device=q.device, dtype=torch.int32).contiguous(),
+                       lens.to(device=q.device, dtype=torch.int32).contiguous())
+        decode_strides = (*decode_k.stride(), *decode_v.stride())
+    _context_kernel[(tiles, prefix_k.shape[0])](
+        q, prefix_k, prefix_v, out, lse, *decode_args, *tile_args,
+        *q.stride(), *prefix_k.stride(), *prefix_v.stride(), *decode_strides,
+        *_output_args(out, lse, scale), **_constexprs(q, r, block_m, block_n), WITH_DECODE=decode is not None,
     )
-    return out.reshape(shape)
 
 
 def context_attention_triton(
@@ -323,20 +321,10 @@ def context_attention_triton(
     n * r * W folded rows of a group, kv head), the prefix read in place.
     """
     _check_runnable(q)
-    r = validate_layout(q, prefix_k, prefix_v, prefix_offsets, group_offsets)
     batch, hq, window, dim = q.shape
-    hkv = prefix_k.shape[0]
-    block_m, block_n = _blocks(q.device)
     out = torch.empty(batch, hq, window, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, hq, window, dtype=torch.float32, device=q.device)
-    tiles, tile_args = _context_tiles(prefix_offsets, group_offsets, r * window, block_m, q.device)
-    if not tiles:
-        return out, lse
-    _context_kernel[(tiles, hkv)](
-        q, prefix_k, prefix_v, out, lse, *tile_args,
-        *q.stride(), *prefix_k.stride(), *prefix_v.stride(),
-        *_output_args(out, lse, scale), **_constexprs(q, r, block_m, block_n),
-    )
+    _launch_context(q, prefix_k, prefix_v, prefix_offsets, group_offsets, scale, out, lse, None)
     return out, lse
 
 
@@ -388,10 +376,13 @@ def bifurcated_attention_triton(
     """Triton bifurcated attention; same signature and guarantees as ``kernels.bifurcated``'s version.
 
     Query ``i`` of row ``b`` (group ``g``) attends to the whole prefix of ``g`` and to its decode keys
-    ``j < min(decode_base[b] + i + 1, decode_lens[b])``. Returns [B, Hq, W, D] in ``q``'s dtype. On CPU
-    tensors it requires ``TRITON_INTERPRET=1`` (set before importing triton).
+    ``j < min(decode_base[b] + i + 1, decode_lens[b])``. Returns [B, Hq, W, D] in ``q``'s dtype. One launch
+    for the whole ragged batch (``_context_kernel`` with its decode phase), no intermediate state in memory.
+    On CPU tensors it requires ``TRITON_INTERPRET=1`` (set before importing triton).
     """
+    _check_runnable(q)
     validate_layout(q, prefix_k, prefix_v, prefix_offsets, group_offsets, decode_k, decode_v)
-    o_ctx, lse_ctx = context_attention_triton(q, prefix_k, prefix_v, prefix_offsets, group_offsets, scale)
-    o_dec, lse_dec = decode_attention_triton(q, decode_k, decode_v, decode_base, decode_lens, scale)
-    return merge_attention_states_triton(o_ctx, lse_ctx, o_dec, lse_dec, q.dtype)
+    out = torch.empty_like(q)
+    _launch_context(q, prefix_k, prefix_v, prefix_offsets, group_offsets, scale, out, out,
+                    (decode_k, decode_v, decode_base, decode_lens))
+    return out

@@ -296,16 +296,16 @@ def test_triton_matches_torch_and_sdpa(
     assert get_bifurcated_attention("triton") is module.bifurcated_attention_triton
 
 
-def test_triton_merge_with_one_empty_part() -> None:
+def test_triton_one_launch_tiles_of_many_samples() -> None:
+    """The fused launch where one tile of folded rows holds many samples (MHA, W = 1 and 2: 16 and 8 per
+    tile) and where a sample spans two tiles (r * W = 24 > 16), with some rows' decode lengths 0."""
     module = _triton_module()
-    gen = torch.Generator().manual_seed(2)
-    o1 = torch.randn(3, 2, 1, 16, generator=gen).to(TRITON_DEVICE)
-    lse1 = torch.randn(3, 2, 1, generator=gen).to(TRITON_DEVICE)
-    empty = torch.full_like(lse1, float("-inf"))
-    out = module.merge_attention_states_triton(o1, lse1, torch.zeros_like(o1), empty, torch.float32)
-    assert_close(out, o1, torch.float32)
-    both = module.merge_attention_states_triton(o1, empty, o1, empty, torch.float32)
-    assert (both == 0).all()
+    for kv_heads, ratio, window, seed in ((2, 1, 1, 3), (1, 1, 2, 4), (1, 3, 8, 5)):
+        case = make_case(kv_heads=kv_heads, ratio=ratio, window=window, prefix_lens=(5, 18), samples=(19, 2),
+                         capacity=9, seed=seed, device=TRITON_DEVICE)
+        case.decode_lens[1:4] = case.decode_base[1:4] = 0  # samples that have decoded nothing yet
+        out = module.bifurcated_attention_triton(*case.args())
+        assert_close(out, sdpa_reference(case), torch.float32)
 
 
 # ------------------------------------------------------------------------------------------ benchmarks
