@@ -195,10 +195,11 @@ class ModelRuntime:
         self._reserved.setdefault(batch_id, {}).update(needed)
 
     def _match(self, group: GroupInput, count: bool) -> PrefixHit:
-        """The group's cached prompt head, pinned (at least its last token is left to compute for logits)."""
+        """The group's cached prompt head, pinned. It may be the whole prompt: the prefill then recomputes the
+        last position only (for its logits), so a repeated prompt reuses its cached path without a split."""
         assert self.prefix_cache is not None
         generation = self.prefix_cache.generation
-        hit = self.prefix_cache.match(group.prompt_token_ids, len(group.prompt_token_ids) - 1, count=count)
+        hit = self.prefix_cache.match(group.prompt_token_ids, len(group.prompt_token_ids), count=count)
         self.prefix_cache.acquire(hit.span)
         if self.prefix_cache.generation != generation:  # a span was split: layouts reading it re-plan
             for batch in self.batches.values():
@@ -245,33 +246,31 @@ class ModelRuntime:
         if cache is not None and planned is not None:
             hit = self._match(group, count=True)  # may reach further than planned: earlier groups inserted
             PrefixCache.release(planned.span)
-        past = None
-        if hit.span is not None:
-            path = hit.span.path()
-            past = ([torch.cat([s.keys[i] for s in path], dim=1) for i in range(self.decoder.num_layers)],
-                    [torch.cat([s.values[i] for s in path], dim=1) for i in range(self.decoder.num_layers)])
-        logits, keys, values = self.decoder.prefill(prompt[hit.tokens:], past)
+        # A wholly cached prompt still runs its last token (after the cached KV of the others) for the logits.
+        start = min(hit.tokens, len(prompt) - 1)
+        logits, keys, values = self.decoder.prefill(prompt[start:], _path_kv(hit.span, start))
         deepest = hit
         if cache is not None:
-            free = self._free_bytes()
-            aligned = len(prompt) // cache.block_tokens * cache.block_tokens - hit.tokens
-            credit = max(aligned, 0) * self.token_kv_bytes if self.attention == "bifurcated" else 0
-            room = 1 << 62 if free is None else free + credit  # inserted blocks leave the group's reservation
-            deepest = cache.insert(hit, prompt, keys, values, room)
+            if hit.tokens < len(prompt):
+                free = self._free_bytes()
+                aligned = len(prompt) // cache.block_tokens * cache.block_tokens - hit.tokens
+                credit = max(aligned, 0) * self.token_kv_bytes if self.attention == "bifurcated" else 0
+                room = 1 << 62 if free is None else free + credit  # inserted blocks leave the group's reservation
+                deepest = cache.insert(hit, prompt, keys, values, room)
             cache.acquire(deepest.span)
             PrefixCache.release(hit.span)
             if deepest.span is not None:
                 self._spans.setdefault(batch.batch_id, {})[group.group_id] = deepest.span
             self._reserved[batch.batch_id][group.group_id] = self.group_kv_bytes(
                 len(prompt), len(group.sequence_ids), group.max_new_tokens, deepest.tokens)
-        own = deepest.tokens - hit.tokens
+        own = deepest.tokens - start
         states = [
             SequenceState(sid, group.group_id, group.params, sequence_generator(group.params.seed, index, self.role))
             for index, sid in enumerate(group.sequence_ids)
         ]
         batch.add(states, [k[:, own:] for k in keys], [v[:, own:] for v in values], deepest.span)
         result.first_tokens.update(self._start_sequences(group, states, logits))
-        result.cached_tokens[group.group_id] = hit.tokens
+        result.cached_tokens[group.group_id] = start
 
     def _start_sequences(self, group: GroupInput, states: Sequence[SequenceState], logits: torch.Tensor
                          ) -> dict[int, int]:
@@ -321,3 +320,14 @@ class ModelRuntime:
             for batch_id in expired:
                 self.release(batch_id)
             return expired
+
+
+def _path_kv(span: PrefixSpan | None, tokens: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """Per-layer keys and values [Hkv, tokens, D] of the first ``tokens`` positions of ``span``'s cached path
+    (None when there are none), as a prefill's past."""
+    if span is None or tokens == 0:
+        return None
+    path = span.path()
+    layers = len(path[0].keys)
+    return ([torch.cat([s.keys[i] for s in path], dim=1)[:, :tokens] for i in range(layers)],
+            [torch.cat([s.values[i] for s in path], dim=1)[:, :tokens] for i in range(layers)])

@@ -107,7 +107,7 @@ def test_cached_prefixes_decode_exactly_as_hf_generate(checkpoints, model, atten
     for _ in range(8):
         for verdict in runtime.verify("b", {sid: ([], []) for sid in out}):
             out[verdict.sequence_id].append(verdict.next_token_id)
-    assert cached == {0: 0, 1: 12, 2: 16, 3: 8, 4: 8, 5: 8}
+    assert cached == {0: 0, 1: 12, 2: 16, 3: 8, 4: 11, 5: 11}  # 4, 5: wholly cached, the last position computed
     for g, prompt in enumerate(prompts):
         expected = greedy(checkpoints[model], prompt, len(out[10 * g]), None)
         assert out[10 * g] == expected and out[10 * g + 1] == expected
@@ -117,6 +117,29 @@ def test_cached_prefixes_decode_exactly_as_hf_generate(checkpoints, model, atten
     assert runtime.stats()["prefix_cache_refs"] == len(prompts) - 2
     runtime.release("b")
     assert runtime.stats()["prefix_cache_refs"] == 0 and runtime.stats()["kv_reserved_bytes"] == 0
+
+
+def test_a_repeated_whole_block_prompt_reuses_its_span_without_a_split(checkpoints):
+    """A prompt cached entirely (a retry, or more samples of one prompt) reads all of it from its span and
+    computes only its last position for the logits: the span is not cut before its last block, and the
+    repeat decodes as HF generate does."""
+    runtime = TargetRuntime(load_checkpoint(checkpoints["llama"]), prefix_cache_bytes=1 << 24,
+                            prefix_block_tokens=BLOCK)
+    prompt = SYSTEM[:12]  # three whole blocks, inserted as one span by the first group
+    out: dict[int, list[int]] = {}
+    for g in range(2):
+        done = runtime.prefill("b", [GroupInput(g, prompt, [g], SamplingParams(), 8)])
+        out.update({sid: [token] for sid, token in done.first_tokens.items()})
+        assert done.cached_tokens == {g: 11 * g}
+        assert runtime.stats()["prefix_cache_spans"] == 1
+    for _ in range(6):
+        for verdict in runtime.verify("b", {sid: ([], []) for sid in out}):
+            out[verdict.sequence_id].append(verdict.next_token_id)
+    expected = greedy(checkpoints["llama"], prompt, 7, None)
+    assert out == {0: expected, 1: expected}
+    assert runtime.stats()["prefix_cache_hit_tokens"] == 12
+    runtime.release("b")
+    assert runtime.stats()["prefix_cache_refs"] == 0
 
 
 def test_sampled_outputs_are_unchanged_by_the_cache(checkpoints):
