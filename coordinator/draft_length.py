@@ -12,7 +12,8 @@ k is a cap: only the sequences whose proposal reached it say whether it binds, s
 those; a round where none reached it leaves k alone.
 
 With a ``SpeculationGate`` (``coordinator.speculation_gate``) a round may also propose nothing (k = 0: a
-plain decode step) while plain rounds emit tokens faster than speculative ones.
+plain decode step) while plain rounds emit tokens faster than speculative ones for the batch's mix
+(``sampled``: whether any of its sequences samples). ``reset`` starts over, for a new batch.
 """
 
 from __future__ import annotations
@@ -30,22 +31,24 @@ class DraftLength:
                  ) -> None:
         if not 1 <= initial <= maximum:
             raise ValueError(f"need 1 <= initial draft length ({initial}) <= maximum ({maximum})")
+        self.initial = initial
         self.k = initial
         self.maximum = maximum
         self.adaptive = adaptive
         self.gate = gate
 
-    def for_round(self) -> int:
-        """The k to propose in the next round: ``k``, or 0 where the gate runs a plain decode round."""
-        return self.k if self.gate is None or self.gate.speculate() else 0
+    def for_round(self, sampled: bool = False) -> int:
+        """The k to propose in the next round of a batch of this mix: ``k``, or 0 where the gate runs a plain
+        decode round."""
+        return self.k if self.gate is None or self.gate.speculate(sampled) else 0
 
     def update(self, proposed: int, accepted: list[int], seconds: float = 0.0,
-               lengths: list[int] | None = None) -> int:
+               lengths: list[int] | None = None, sampled: bool = False) -> int:
         """Record a round's per-sequence accepted lengths for proposals of at most ``proposed`` tokens (0: a
         plain round; ``lengths``: each sequence's proposal length, None: all ``proposed``) and its wall time
-        (for the gate); returns the next speculative k."""
+        (for the gate, under the batch's mix); returns the next speculative k."""
         if self.gate is not None:
-            self.gate.record(proposed > 0, sum(accepted) + len(accepted), seconds)
+            self.gate.record(proposed > 0, sum(accepted) + len(accepted), seconds, sampled)
         capped = accepted if lengths is None else [a for a, n in zip(accepted, lengths, strict=True) if n >= proposed]
         if self.adaptive and proposed and capped:
             full = sum(a >= proposed for a in capped) / len(capped)
@@ -54,3 +57,9 @@ class DraftLength:
             elif full < SHRINK_SHARE:
                 self.k = max(self.k - 1, 1)
         return self.k
+
+    def reset(self) -> None:
+        """Back to the initial k and a gate with no figures, as for a fresh batch."""
+        self.k = self.initial
+        if self.gate is not None:
+            self.gate.reset()

@@ -328,7 +328,8 @@ class Scheduler:
             log.info("release on %s %s failed: %s", endpoint.role, endpoint.address, error.code().name)
 
     async def _end_batch(self) -> None:
-        """Release the whole batch on the target and its draft, unpin the draft, start a fresh batch."""
+        """Release the whole batch on the target and its draft, unpin the draft, start a fresh batch (with a
+        fresh draft length)."""
         if not self._held and not self._samples and self.draft is None:
             return
         await asyncio.gather(self._release_quietly(self.target, []), self._release_quietly(self.draft, []))
@@ -341,6 +342,7 @@ class Scheduler:
         self._held.clear()
         self._batch_tokens = 0
         self._running = [r for r in self._running if not r.done.is_set()]
+        self.draft_length.reset()  # the next batch may be another workload: its k and gate start afresh
         self.batch_id = uuid.uuid4().hex
 
     @staticmethod
@@ -365,20 +367,21 @@ class Scheduler:
                 self._batch_tokens -= self._tokens(request)
         live = self._live()
         draft = self.draft
-        k = self.draft_length.for_round() if draft is not None else 0
+        in_round = [r for r in self._running if any(s.sequence_id in self._held for s in r.samples)]
+        sampled = any(not r.spec.sampling.greedy for r in in_round)  # the batch's mix, for the speculation gate
+        k = self.draft_length.for_round(sampled) if draft is not None else 0
         # A round serves many requests: a root span of its own, linked to the span of each request in it.
-        in_round = [r for r in self._running
-                    if r.span is not None and any(s.sequence_id in self._held for s in r.samples)]
-        span = telemetry.start_span("coordinator.round", links=[r.span for r in in_round], attributes={
-            "specserve.batch_id": self.batch_id, "specserve.groups": len(in_round),
+        traced = [r.span for r in in_round if r.span is not None]
+        span = telemetry.start_span("coordinator.round", links=traced, attributes={
+            "specserve.batch_id": self.batch_id, "specserve.groups": len(traced),
             "specserve.sequences": len(live), "specserve.draft_len": k})
         try:
-            await self._speculate(span, live, finished_ids, draft, k)
+            await self._speculate(span, live, finished_ids, draft, k, sampled)
         finally:
             span.end()
 
     async def _speculate(self, span: telemetry.Span, live: list[int], finished_ids: list[int],
-                         draft: ModelEndpoint | None, k: int) -> None:
+                         draft: ModelEndpoint | None, k: int, sampled: bool) -> None:
         metadata = telemetry.inject_metadata(span)
         proposals = [model_pb2.Proposal(sequence_id=sid) for sid in live]
         start = time.monotonic()
@@ -407,16 +410,17 @@ class Scheduler:
             await self._fail_running(self._status(error, self.target))
             return
         tokens_proposed, tokens_accepted = self._apply(proposals, verified.verdicts, k, skip_draft,
-                                                       time.monotonic() - start)
+                                                       time.monotonic() - start, sampled)
         self.metrics.round_done(len(live), tokens_proposed, tokens_accepted)
         span.set_attributes({"specserve.draft_len": k, "specserve.tokens_proposed": tokens_proposed,
                              "specserve.tokens_accepted": tokens_accepted, "specserve.kv_bytes": verified.kv_bytes})
 
     def _apply(self, proposals: list[model_pb2.Proposal], verdicts: list[model_pb2.Verdict], k: int,
-               skipped_draft: bool, seconds: float) -> tuple[int, int]:
-        """Extend each sample by its verdict and complete finished requests; returns the round's
-        (draft tokens proposed, accepted) over its verdicts. After a round that ``skipped_draft``, each
-        sequence's update still answers its last proposal and the tokens since queue as catch-up."""
+               skipped_draft: bool, seconds: float, sampled: bool) -> tuple[int, int]:
+        """Extend each sample by its verdict, complete finished requests and account the round (``seconds``
+        long, of the batch's mix ``sampled``) in the draft length; returns the round's (draft tokens
+        proposed, accepted) over its verdicts. After a round that ``skipped_draft``, each sequence's update
+        still answers its last proposal and the tokens since queue as catch-up."""
         proposed = {p.sequence_id: list(p.token_ids) for p in proposals}
         wire = {p.sequence_id: p.ByteSize() for p in proposals} if k else {}
         tokens_proposed = tokens_accepted = 0
@@ -445,7 +449,7 @@ class Scheduler:
         for request in self._running:
             if request.finished:
                 request.complete()
-        self.draft_length.update(k, accepted_lens, seconds, proposal_lens)
+        self.draft_length.update(k, accepted_lens, seconds, proposal_lens, sampled)
         return tokens_proposed, tokens_accepted
 
     async def _fail_running(self, status: tuple[grpc.StatusCode, str]) -> None:

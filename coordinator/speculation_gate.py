@@ -9,19 +9,35 @@ kind once to keep its figure current. It starts speculating, and probes plain de
 ``probe_every`` rounds. A plain round leaves the output unchanged: greedy output stays the target's, and a
 sampled token comes from the target's distribution either way.
 
-Opt-in (``serve coordinator --speculation-gate``). Its known weakness: the figure for speculation is set by
-whatever speculative rounds ran, and a request's first rounds, before the draft's prompt lookup has earned
-trust, are its worst, so with short requests it can run plain rounds where speculation would have paid.
+The figures belong to a batch's *mix*: whether any of its sequences samples (temperature > 0) or all are
+greedy. Acceptance, and with it what speculation is worth, differs most between the two (a draft that pays
+at greedy can lose at T = 0.8), so a greedy batch is never judged by figures a sampled one left, and the
+other way round. The owner calls ``reset`` when a batch ends: the next batch may be another workload.
+
+Opt-in (``serve coordinator --speculation-gate``). Its remaining weakness: the figure for speculation is
+set by whatever speculative rounds ran, and a request's first rounds, before the draft's prompt lookup has
+earned trust, are its worst, so with short requests it can run plain rounds where speculation would have
+paid.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 PROBE_EVERY = 16
 SMOOTHING = 0.25  # weight of the newest round in the moving averages
 
 
+@dataclass
+class _Figures:
+    """One mix's measured tokens per second of each round kind, and its rounds so far."""
+
+    rate: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})  # speculative?
+    rounds: int = 0
+
+
 class SpeculationGate:
-    """Whether the next round speculates."""
+    """Whether the next round speculates, for each mix (any sampled sequence, or all greedy)."""
 
     def __init__(self, probe_every: int = PROBE_EVERY, smoothing: float = SMOOTHING) -> None:
         if probe_every < 2:
@@ -30,26 +46,38 @@ class SpeculationGate:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.probe_every = probe_every
         self.smoothing = smoothing
-        self.rate: dict[bool, float | None] = {True: None, False: None}  # speculative? -> tokens per second
-        self._rounds = 0
+        self._mixes: dict[bool, _Figures] = {}
 
-    @property
-    def better(self) -> bool:
-        """Whether speculative rounds are the faster kind (True until plain rounds were measured)."""
-        plain, speculative = self.rate[False], self.rate[True]
+    def rate(self, sampled: bool = False) -> dict[bool, float | None]:
+        """The mix's moving averages of tokens per second: speculative (True) and plain (False) rounds;
+        None where that kind has not run since the last ``reset``."""
+        return dict(self._figures(sampled).rate)
+
+    def better(self, sampled: bool = False) -> bool:
+        """Whether speculative rounds are the faster kind for the mix (True until both kinds were measured)."""
+        rate = self._figures(sampled).rate
+        plain, speculative = rate[False], rate[True]
         return plain is None or speculative is None or speculative >= plain
 
-    def speculate(self) -> bool:
-        """True when the next round should propose draft tokens: the better kind, except for a probe round
-        of the other kind every ``probe_every`` rounds."""
-        probe = (self._rounds + 1) % self.probe_every == 0
-        return self.better != probe
+    def speculate(self, sampled: bool = False) -> bool:
+        """True when the next round of a batch of this mix should propose draft tokens: the better kind,
+        except for a probe round of the other kind every ``probe_every`` rounds of the mix."""
+        probe = (self._figures(sampled).rounds + 1) % self.probe_every == 0
+        return self.better(sampled) != probe
 
-    def record(self, speculated: bool, tokens: int, seconds: float) -> None:
-        """Account one finished round: ``tokens`` emitted by the batch in ``seconds``."""
-        self._rounds += 1
+    def record(self, speculated: bool, tokens: int, seconds: float, sampled: bool = False) -> None:
+        """Account one finished round of the mix: ``tokens`` emitted by the batch in ``seconds``."""
+        figures = self._figures(sampled)
+        figures.rounds += 1
         if seconds <= 0 or tokens <= 0:
             return
         rate = tokens / seconds
-        old = self.rate[speculated]
-        self.rate[speculated] = rate if old is None else old + self.smoothing * (rate - old)
+        old = figures.rate[speculated]
+        figures.rate[speculated] = rate if old is None else old + self.smoothing * (rate - old)
+
+    def reset(self) -> None:
+        """Forget every figure: the next round starts as a new gate's would."""
+        self._mixes.clear()
+
+    def _figures(self, sampled: bool) -> _Figures:
+        return self._mixes.setdefault(sampled, _Figures())

@@ -65,8 +65,37 @@ def test_draft_length_with_a_gate_proposes_nothing_in_plain_rounds():
     rule.update(3, [3, 3], seconds=1.0)  # k grows to 4 ...
     assert rule.for_round() == 0  # ... but this round probes plain decoding
     assert rule.update(0, [0, 0], seconds=0.1) == 4  # a plain round leaves k alone
-    assert gate.rate == {True: 8.0, False: 20.0}
+    assert gate.rate() == {True: 8.0, False: 20.0}
     assert DraftLength(3, 8).for_round() == 3  # no gate: always k
+
+
+def test_gate_keeps_greedy_and_sampled_batches_apart():
+    """Speculation that loses on sampled batches does not stop it on greedy ones, and the other way round."""
+    gate = SpeculationGate(probe_every=4)
+    for _ in range(8):  # sampled batches: speculation at half the plain rate
+        speculative = gate.speculate(sampled=True)
+        gate.record(speculative, 8, 8 / (50.0 if speculative else 100.0), sampled=True)
+    assert not gate.better(sampled=True)
+    assert gate.better(sampled=False) and gate.speculate(sampled=False)
+    assert gate.rate(sampled=False) == {True: None, False: None}
+    kinds = []
+    for _ in range(8):  # greedy batches: speculation twice as fast, probed as a fresh gate would
+        speculative = gate.speculate(sampled=False)
+        kinds.append(speculative)
+        gate.record(speculative, 8, 8 / (200.0 if speculative else 100.0), sampled=False)
+    assert kinds == [True, True, True, False] * 2
+    assert not gate.better(sampled=True)  # the sampled figures are untouched
+
+
+def test_reset_forgets_the_figures_and_the_grown_k():
+    gate = SpeculationGate(probe_every=2)
+    rule = DraftLength(3, 8, gate=gate)
+    rule.update(3, [3, 3], seconds=1.0)
+    rule.update(0, [0, 0], seconds=0.01)  # plain rounds far faster: the gate would stop speculating
+    assert rule.k == 4 and not gate.better()
+    rule.reset()
+    assert rule.k == 3 and gate.rate() == {True: None, False: None}
+    assert rule.for_round() == 3  # the first round of the fresh batch speculates again
 
 
 def test_gate_rejects_bad_settings():

@@ -141,3 +141,16 @@ def test_plain_rounds_between_speculative_ones(deployments, checkpoints):
         # speculation alone needs 9 rounds for 64 tokens (k = 4, 5, ..., 8 all accepted): plain rounds ran too
         assert usage.rounds >= 12
         assert usage.draft_tokens_accepted >= 0.9 * usage.draft_tokens_proposed > 0
+
+
+def test_each_batch_starts_at_the_initial_draft_length(deployments):
+    """The draft length grown in one batch does not carry into the next: with a draft that is the target
+    itself, k grows 4, 5, ... in every request's batch, so two requests run one after another (a fresh
+    batch each) take the same rounds (k carried over at its maximum would need fewer)."""
+    stub = coordinator_stub(deployments("llama", "llama").coordinator_address)
+    request = coordinator_pb2.GenerateRequest(prompt_token_ids=prompts()[2], n=2, max_new_tokens=MAX_NEW,
+                                              ignore_eos=True)
+    first, second = (stub.Generate(request, timeout=300) for _ in range(2))
+    assert first.usage.draft_tokens_accepted == first.usage.draft_tokens_proposed > 0
+    assert [list(c.token_ids) for c in first.completions] == [list(c.token_ids) for c in second.completions]
+    assert second.usage.rounds == first.usage.rounds

@@ -14,6 +14,7 @@ in one run, for every n (samples per prompt) and temperature, it times:
 * ``d_bass_model_only``: as ``d_bass_adaptive`` with the draft's prompt lookup off (the draft model alone);
 * ``d_bass_gated``: as ``d_bass_adaptive`` with the speculation gate (``coordinator.speculation_gate``);
 * ``e_grpc_adaptive``: specserve over its three gRPC services (one Generate request with n samples);
+* ``e_grpc_gated``: as ``e_grpc_adaptive`` with the coordinator's ``--speculation-gate``;
 * ``e_grpc_target``: specserve over gRPC without a draft (coordinator + target: the served baseline).
 
 Every system generates exactly ``--max-new-tokens`` tokens per sample (EOS ignored). The systems are
@@ -62,10 +63,15 @@ SYSTEMS: dict[str, str] = {
     "d_bass_model_only": "(d) BASS in-process, adaptive k, draft model alone (no prompt lookup)",
     "d_bass_gated": "(d) BASS in-process, adaptive k, speculation gate (plain rounds where faster)",
     "e_grpc_adaptive": "(e) BASS over gRPC, adaptive k",
+    "e_grpc_gated": "(e) BASS over gRPC, adaptive k, speculation gate",
     "e_grpc_target": "(e) target only over gRPC",
 }
 IN_PROCESS_BASS = ("d_bass_fixed", "d_bass_adaptive", "d_bass_full_proposals", "d_bass_model_only", "d_bass_gated")
-GRPC_SYSTEMS = {"e_grpc_adaptive": True, "e_grpc_target": False}  # system -> deployment has a draft
+# system -> (the deployment has a draft, the coordinator's extra flags)
+GRPC_SYSTEMS: dict[str, tuple[bool, list[str]]] = {"e_grpc_adaptive": (True, []),
+                                                   "e_grpc_gated": (True, ["--speculation-gate"]),
+                                                   "e_grpc_target": (False, [])}
+GRPC_BASELINE = "e_grpc_target"
 BASS = "d_bass_adaptive"  # the configuration the bars are judged on (the coordinator's default)
 
 Output = list[list[list[int]]]  # [prompt][sample] -> token ids
@@ -158,11 +164,11 @@ class Harness:
         env = {"OMP_NUM_THREADS": str(self.args.threads)} if self.args.threads else None
         for system in (s for s in systems if s in GRPC_SYSTEMS):
             log_dir = Path(tempfile.mkdtemp(prefix=f"specserve-bench-{system}-"))
-            draft = self.args.draft_model if GRPC_SYSTEMS[system] else None
-            deployment = Deployment(self.args.target_model, draft, log_dir=log_dir, env=env,
-                                    model_args=["--dtype", self.args.dtype],
+            has_draft, flags = GRPC_SYSTEMS[system]
+            deployment = Deployment(self.args.target_model, self.args.draft_model if has_draft else None,
+                                    log_dir=log_dir, env=env, model_args=["--dtype", self.args.dtype],
                                     coordinator_args=["--draft-len", str(self.args.draft_len),
-                                                      "--max-draft-len", str(self.args.max_draft_len)])
+                                                      "--max-draft-len", str(self.args.max_draft_len), *flags])
             self.deployments[system] = deployment.start()
             self.stubs[system] = coordinator_pb2_grpc.CoordinatorStub(
                 grpc.insecure_channel(deployment.coordinator_address))
@@ -378,10 +384,11 @@ def _point(temperature: float, n: int, m: int, num_prompts: int, samples: dict[s
         entry["identical_to_a"] = entry["outputs"] == systems["a_batched"]["outputs"]
     if "e_grpc_adaptive" in systems and BASS in systems:
         point["grpc_overhead"] = systems["e_grpc_adaptive"]["wall_s"] / systems[BASS]["wall_s"] - 1
-    if set(GRPC_SYSTEMS) <= set(systems):
-        served = systems["e_grpc_adaptive"]
-        served["speedup_vs_grpc_target"] = _ratio(systems["e_grpc_target"]["wall_s"], served["wall_s"])
-        served["identical_to_grpc_target"] = served["outputs"] == systems["e_grpc_target"]["outputs"]
+    if GRPC_BASELINE in systems:
+        for system in (s for s, (has_draft, _) in GRPC_SYSTEMS.items() if has_draft and s in systems):
+            served = systems[system]
+            served["speedup_vs_grpc_target"] = _ratio(systems[GRPC_BASELINE]["wall_s"], served["wall_s"])
+            served["identical_to_grpc_target"] = served["outputs"] == systems[GRPC_BASELINE]["outputs"]
     return point
 
 
@@ -430,13 +437,14 @@ def _bars(result: dict[str, Any]) -> dict[str, Any]:
         speedup = greedy8[0]["systems"][BASS]["speedup_vs_a"]
         bars["bass_2x_vs_a_at_n8_greedy"] = {"value": speedup, "met": speedup >= 2.0}
     for p in points:
-        served = p["systems"].get("e_grpc_adaptive", {})
-        if p["n"] == 8 and "speedup_vs_grpc_target" in served:
-            greedy = p["temperature"] == 0
-            goal = 2.15 if greedy else 1.5
-            bar = {"value": served["speedup_vs_grpc_target"], "goal": goal}
-            bar["met"] = bar["value"] >= goal and (served["identical_to_grpc_target"] or not greedy)
-            bars[f"grpc_bass_vs_grpc_target_at_n8_T{p['temperature']:g}"] = bar
+        for system, name in (("e_grpc_adaptive", "grpc_bass"), ("e_grpc_gated", "grpc_gated_bass")):
+            served = p["systems"].get(system, {})
+            if p["n"] == 8 and "speedup_vs_grpc_target" in served:
+                greedy = p["temperature"] == 0
+                goal = 2.15 if greedy else 1.5
+                bar = {"value": served["speedup_vs_grpc_target"], "goal": goal}
+                bar["met"] = bar["value"] >= goal and (served["identical_to_grpc_target"] or not greedy)
+                bars[f"{name}_vs_grpc_target_at_n8_T{p['temperature']:g}"] = bar
     faster = []
     for p in points:
         if p["n"] < 2 or BASS not in p["systems"]:
@@ -484,9 +492,9 @@ def markdown(result: dict[str, Any]) -> str:
                   "| n | BASS tok/s | BASS vs (a) | BASS vs (b) | BASS vs (c) | fixed-k vs (a) | no floor vs (a) "
                   "| no lookup vs (a) "
                   "| gated vs (a) (plain rounds) "
-                  "| gRPC overhead (e)/(d) | gRPC BASS vs gRPC target | acceptance (no lookup) | mean k "
-                  "| greedy (d),(e) = (a) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| gRPC overhead (e)/(d) | gRPC BASS vs gRPC target | gRPC gated vs gRPC target "
+                  "| acceptance (no lookup) | mean k | greedy (d),(e) = (a) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for p in points:
             s = p["systems"]
             d = s.get(BASS, {})
@@ -506,6 +514,7 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{_fmt(gated.get('speedup_vs_a'), '.2f', '×')} ({gated.get('plain_rounds', '–')}) | "
                          f"{_fmt(p.get('grpc_overhead', None) and 100 * p['grpc_overhead'], '+.1f', '%')} | "
                          f"{_fmt(s.get('e_grpc_adaptive', {}).get('speedup_vs_grpc_target'), '.2f', '×')} | "
+                         f"{_fmt(s.get('e_grpc_gated', {}).get('speedup_vs_grpc_target'), '.2f', '×')} | "
                          f"{_fmt(d.get('acceptance'), '.2f')} ({_fmt(alone.get('acceptance'), '.2f')}) | "
                          f"{_fmt(d.get('mean_draft_len'), '.1f')} | {same} |")
         lines.append("")

@@ -94,9 +94,10 @@ def engine_bass(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], n
     updates: dict[int, tuple[int, int, list[int]]] = {sid: (0, first[sid], []) for sid in range(n)}
     live = [sid for sid in range(n) if len(out[sid]) < max_new_tokens]
     finished: list[int] = []
+    sampled = not params.greedy
     try:
         while live:
-            k = length.for_round()  # 0: a plain decode round (the gate found speculation slower)
+            k = length.for_round(sampled)  # 0: a plain decode round (the gate found speculation slower)
             t0 = time.perf_counter()
             proposals = draft.propose(batch_id, {sid: updates[sid] for sid in live}, k, release=finished)
             t1 = time.perf_counter()
@@ -123,7 +124,7 @@ def engine_bass(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], n
                 if len(seq) >= max_new_tokens:
                     finished.append(sid)
             live = [sid for sid in live if sid not in set(finished)]
-            length.update(k, accepted, t2 - t0, lengths)
+            length.update(k, accepted, t2 - t0, lengths, sampled)
     finally:
         target.release(batch_id)
         draft.release(batch_id)
