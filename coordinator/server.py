@@ -49,9 +49,9 @@ async def serve_coordinator(args: argparse.Namespace) -> int:
                              draft_timeout_s=args.draft_timeout)
 
     def draft_length() -> DraftLength:  # one per target replica's scheduler
-        gated = args.speculation_gate and not args.fixed_draft_len
+        mode = "off" if args.fixed_draft_len else args.speculation_gate
         return DraftLength(args.draft_len, args.max_draft_len, not args.fixed_draft_len,
-                           SpeculationGate(args.speculation_probe_every) if gated else None)
+                           SpeculationGate.for_mode(mode, args.speculation_probe_every))
 
     try:
         draft_length()  # flags that cannot work end the process before anything connects

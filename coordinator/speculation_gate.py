@@ -14,10 +14,13 @@ greedy. Acceptance, and with it what speculation is worth, differs most between 
 at greedy can lose at T = 0.8), so a greedy batch is never judged by figures a sampled one left, and the
 other way round. The owner calls ``reset`` when a batch ends: the next batch may be another workload.
 
-Opt-in (``serve coordinator --speculation-gate``). Its remaining weakness: the figure for speculation is
-set by whatever speculative rounds ran, and a request's first rounds, before the draft's prompt lookup has
-earned trust, are its worst, so with short requests it can run plain rounds where speculation would have
-paid.
+Which mixes it judges is a mode (``serve coordinator --speculation-gate off|sampled|on``): ``sampled``, the
+default, gates batches with a sampled sequence and always speculates for all-greedy ones; ``on`` gates
+both. The reason is its remaining weakness: the figure for speculation is set by whatever speculative
+rounds ran, and a request's first rounds, before the draft's prompt lookup has earned trust, are its
+worst, so with short requests it can run plain rounds where speculation would have paid. On the default
+pair that costs greedy batches more than it saves them, and saves sampled ones more than it costs
+(docs/benchmarks.md, runs E and F).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PROBE_EVERY = 16
+GATE_MODES = ("off", "sampled", "on")  # which batch mixes the gate judges: none, those with a sampled sequence, all
+DEFAULT_GATE_MODE = "sampled"
 SMOOTHING = 0.25  # weight of the newest round in the moving averages
 
 
@@ -39,13 +44,18 @@ class _Figures:
 class SpeculationGate:
     """Whether the next round speculates, for each mix (any sampled sequence, or all greedy)."""
 
-    def __init__(self, probe_every: int = PROBE_EVERY, smoothing: float = SMOOTHING) -> None:
+    def __init__(self, probe_every: int = PROBE_EVERY, smoothing: float = SMOOTHING, sampled_only: bool = False
+                 ) -> None:
+        """A gate probing every ``probe_every``-th round (>= 2), averaging with weight ``smoothing`` (in (0, 1]);
+        with ``sampled_only`` it judges only batches with a sampled sequence and always speculates for
+        all-greedy ones. Raises ValueError for out-of-range values."""
         if probe_every < 2:
             raise ValueError(f"probe_every must be >= 2, got {probe_every}")
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.probe_every = probe_every
         self.smoothing = smoothing
+        self.sampled_only = sampled_only
         self._mixes: dict[bool, _Figures] = {}
 
     def rate(self, sampled: bool = False) -> dict[bool, float | None]:
@@ -61,12 +71,18 @@ class SpeculationGate:
 
     def speculate(self, sampled: bool = False) -> bool:
         """True when the next round of a batch of this mix should propose draft tokens: the better kind,
-        except for a probe round of the other kind every ``probe_every`` rounds of the mix."""
+        except for a probe round of the other kind every ``probe_every`` rounds of the mix; always True for an
+        all-greedy batch when the gate judges sampled batches only."""
+        if self.sampled_only and not sampled:
+            return True
         probe = (self._figures(sampled).rounds + 1) % self.probe_every == 0
         return self.better(sampled) != probe
 
     def record(self, speculated: bool, tokens: int, seconds: float, sampled: bool = False) -> None:
-        """Account one finished round of the mix: ``tokens`` emitted by the batch in ``seconds``."""
+        """Account one finished round of the mix: ``tokens`` emitted by the batch in ``seconds`` (nothing for a
+        mix the gate does not judge)."""
+        if self.sampled_only and not sampled:
+            return
         figures = self._figures(sampled)
         figures.rounds += 1
         if seconds <= 0 or tokens <= 0:
@@ -78,6 +94,14 @@ class SpeculationGate:
     def reset(self) -> None:
         """Forget every figure: the next round starts as a new gate's would."""
         self._mixes.clear()
+
+    @classmethod
+    def for_mode(cls, mode: str, probe_every: int = PROBE_EVERY) -> SpeculationGate | None:
+        """The gate of a ``GATE_MODES`` mode: None for ``off``. Raises ValueError for another mode or a bad
+        ``probe_every``."""
+        if mode not in GATE_MODES:
+            raise ValueError(f"speculation gate mode must be one of {GATE_MODES}, got {mode!r}")
+        return None if mode == "off" else cls(probe_every, sampled_only=mode == "sampled")
 
     def _figures(self, sampled: bool) -> _Figures:
         return self._mixes.setdefault(sampled, _Figures())

@@ -16,6 +16,8 @@ import pytest
 import yaml
 from cli_parsing import parse_cli
 
+from specserve.serve import DEFAULT_PREFIX_CACHE_MB
+
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "specserve"
 GPU_VALUES = CHART / "ci" / "gpu-tls-autoscaling-values.yaml"
@@ -200,7 +202,7 @@ def test_model_args_parse(default_objects: list[dict[str, Any]], component: str)
     assert args.metrics_port == 9464
     assert (args.device, args.dtype, args.attention, args.attention_backend, args.cuda_graphs) == (
         "cpu", "auto", "bifurcated", "torch", "auto")
-    assert (args.kv_budget_mb, args.prefix_cache_mb) == (0, 0)
+    assert (args.kv_budget_mb, args.prefix_cache_mb) == (0, DEFAULT_PREFIX_CACHE_MB)  # the chart keeps serve's default
     if component == "draft":
         assert (args.prompt_lookup, args.confidence_floor) == ((2, 3), 0.3)
     mount = next(m for m in main["volumeMounts"] if m["name"] == "models")
@@ -226,7 +228,7 @@ def test_coordinator_discovers_replicas_through_endpointslices(default_objects: 
     # the settings come from the ConfigMap
     assert (args.max_n, args.max_batch_sequences, args.max_queue) == (64, 64, 256)
     assert (args.draft_len, args.max_draft_len, args.fixed_draft_len) == (4, 8, False)
-    assert (args.speculation_gate, args.speculation_probe_every) == (False, 16)
+    assert (args.speculation_gate, args.speculation_probe_every) == ("sampled", 16)
     assert args.max_batch_tokens == 0 and args.prefix_affinity_slack == 16
     assert args.auth_token_file is None and args.tls_cert is None
     discovery = pytest.importorskip("coordinator.discovery")

@@ -69,7 +69,8 @@ def test_backend_and_graph_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     device, options = runtime_options(serve_args("--device", "cpu", "--kv-budget-mb", "2"))
     assert device == cpu
     assert options == {"attention": "bifurcated", "attention_backend": "torch", "cuda_graphs": None,
-                       "kv_budget_bytes": 2 * 2**20, "session_ttl_s": 300.0, "prefix_cache_bytes": 0}
+                       "kv_budget_bytes": 2 * 2**20, "session_ttl_s": 300.0, "prefix_cache_bytes": 1024 * 2**20}
+    assert runtime_options(serve_args("--device", "cpu", "--prefix-cache-mb", "0"))[1]["prefix_cache_bytes"] == 0
     with pytest.raises(ValueError, match="--cuda-graphs on needs --device cuda"):
         runtime_options(serve_args("--device", "cpu", "--cuda-graphs", "on"))
 

@@ -98,11 +98,29 @@ def test_reset_forgets_the_figures_and_the_grown_k():
     assert rule.for_round() == 3  # the first round of the fresh batch speculates again
 
 
+def test_sampled_mode_gates_sampled_batches_and_always_speculates_for_greedy_ones():
+    """The default mode: plain rounds that win stop speculation on sampled batches only."""
+    gate = SpeculationGate.for_mode("sampled", probe_every=4)
+    assert run_rounds(gate, 8, speculative_rate=50.0, plain_rate=100.0) == [True] * 8  # greedy: not judged
+    assert gate.rate(sampled=False) == {True: None, False: None}
+    kinds = []
+    for _ in range(8):
+        speculative = gate.speculate(sampled=True)
+        kinds.append(speculative)
+        gate.record(speculative, 8, 8 / (50.0 if speculative else 100.0), sampled=True)
+    assert kinds == [True, True, True, False, False, False, False, True]  # plain once measured faster
+    everywhere = SpeculationGate.for_mode("on", probe_every=4)
+    assert run_rounds(everywhere, 8, speculative_rate=50.0, plain_rate=100.0)[-4:] == [False, False, False, True]
+    assert SpeculationGate.for_mode("off") is None
+
+
 def test_gate_rejects_bad_settings():
     with pytest.raises(ValueError, match="probe_every"):
         SpeculationGate(probe_every=1)
     with pytest.raises(ValueError, match="smoothing"):
         SpeculationGate(smoothing=0.0)
+    with pytest.raises(ValueError, match="mode"):
+        SpeculationGate.for_mode("greedy")
 
 
 def test_proposals_cut_short_by_the_draft_do_not_count():

@@ -167,13 +167,12 @@ def test_request_retried_on_another_target_replica(checkpoints, tmp_path):
 
 
 def test_prefix_cache_over_grpc_hits_stays_exact_and_unpins_on_cancel(checkpoints, tmp_path):
-    """Both services with --prefix-cache-mb: a second request with the same long prompt is served from the
-    cache (Stats and the response's Usage count the hit tokens) with HF-greedy output, and a cancelled
-    stream leaves no reference."""
+    """Both services with their default prefix cache (on, no flag given): a second request with the same
+    long prompt is served from the cache (Stats and the response's Usage count the hit tokens) with
+    HF-greedy output, and a cancelled stream leaves no reference."""
     prompt = list(range(40, 80))  # 40 tokens: two 16-token blocks can be cached
     request = coordinator_pb2.GenerateRequest(prompt_token_ids=prompt, n=3, max_new_tokens=12, ignore_eos=True)
-    with Deployment(str(checkpoints["llama"]), str(checkpoints["llama_draft"]), log_dir=tmp_path,
-                    model_args=["--prefix-cache-mb", "16"]) as running:
+    with Deployment(str(checkpoints["llama"]), str(checkpoints["llama_draft"]), log_dir=tmp_path) as running:
         stub = coordinator_stub(running.coordinator_address)
         expected = greedy(checkpoints["llama"], prompt, 12, None)
         for cached in (0, 32):
@@ -269,9 +268,10 @@ def test_prefills_that_time_out_at_the_coordinator_are_retried_without_failing_t
 def test_a_model_timeout_shorter_than_one_prefill_fails_the_request_naming_the_flag(slow_model, tmp_path):
     """--model-timeout far below one prefill (every try times out, even doubled): the request fails with
     DEADLINE_EXCEEDED naming the flag instead of retrying until the client's deadline, and the target keeps
-    none of its sequences."""
+    none of its sequences. The prefix cache is off: with it, a timed-out try still caches the prompt and the
+    retry's prefill is one position (it then fails its first step instead)."""
     with Deployment(str(slow_model), None, coordinator_args=["--model-timeout", "0.02"],
-                    log_dir=tmp_path) as running:
+                    model_args=["--prefix-cache-mb", "0"], log_dir=tmp_path) as running:
         stub = coordinator_stub(running.coordinator_address)
         request = coordinator_pb2.GenerateRequest(prompt_token_ids=slow_prompt(1), n=2, max_new_tokens=4)
         started = time.monotonic()

@@ -13,8 +13,11 @@ in one run, for every n (samples per prompt) and temperature, it times:
   the round's k long: the batch-wide length alone);
 * ``d_bass_model_only``: as ``d_bass_adaptive`` with the draft's prompt lookup off (the draft model alone);
 * ``d_bass_gated``: as ``d_bass_adaptive`` with the speculation gate (``coordinator.speculation_gate``);
-* ``e_grpc_adaptive``: specserve over its three gRPC services (one Generate request with n samples);
-* ``e_grpc_gated``: as ``e_grpc_adaptive`` with the coordinator's ``--speculation-gate``;
+* ``e_grpc_adaptive``: specserve over its three gRPC services (one Generate request with n samples), the
+  speculation gate off (``--speculation-gate off``);
+* ``e_grpc_gated``: as ``e_grpc_adaptive`` with the gate on for every batch (``--speculation-gate on``);
+* ``e_grpc_default``: as ``e_grpc_adaptive`` with the coordinator's defaults (the gate on for batches with a
+  sampled sequence);
 * ``e_grpc_target``: specserve over gRPC without a draft (coordinator + target: the served baseline).
 
 Every system generates exactly ``--max-new-tokens`` tokens per sample (EOS ignored). The systems are
@@ -62,14 +65,16 @@ SYSTEMS: dict[str, str] = {
     "d_bass_full_proposals": "(d) BASS in-process, adaptive k, no confidence floor (every proposal k long)",
     "d_bass_model_only": "(d) BASS in-process, adaptive k, draft model alone (no prompt lookup)",
     "d_bass_gated": "(d) BASS in-process, adaptive k, speculation gate (plain rounds where faster)",
-    "e_grpc_adaptive": "(e) BASS over gRPC, adaptive k",
-    "e_grpc_gated": "(e) BASS over gRPC, adaptive k, speculation gate",
+    "e_grpc_adaptive": "(e) BASS over gRPC, adaptive k, speculation gate off",
+    "e_grpc_gated": "(e) BASS over gRPC, adaptive k, speculation gate on every batch",
+    "e_grpc_default": "(e) BASS over gRPC, the coordinator's defaults (gate on sampled batches)",
     "e_grpc_target": "(e) target only over gRPC",
 }
 IN_PROCESS_BASS = ("d_bass_fixed", "d_bass_adaptive", "d_bass_full_proposals", "d_bass_model_only", "d_bass_gated")
 # system -> (the deployment has a draft, the coordinator's extra flags)
-GRPC_SYSTEMS: dict[str, tuple[bool, list[str]]] = {"e_grpc_adaptive": (True, []),
-                                                   "e_grpc_gated": (True, ["--speculation-gate"]),
+GRPC_SYSTEMS: dict[str, tuple[bool, list[str]]] = {"e_grpc_adaptive": (True, ["--speculation-gate", "off"]),
+                                                   "e_grpc_gated": (True, ["--speculation-gate", "on"]),
+                                                   "e_grpc_default": (True, []),
                                                    "e_grpc_target": (False, [])}
 GRPC_BASELINE = "e_grpc_target"
 BASS = "d_bass_adaptive"  # the configuration the bars are judged on (the coordinator's default)
@@ -166,7 +171,10 @@ class Harness:
             log_dir = Path(tempfile.mkdtemp(prefix=f"specserve-bench-{system}-"))
             has_draft, flags = GRPC_SYSTEMS[system]
             deployment = Deployment(self.args.target_model, self.args.draft_model if has_draft else None,
-                                    log_dir=log_dir, env=env, model_args=["--dtype", self.args.dtype],
+                                    log_dir=log_dir, env=env,
+                                    # no prefix cache: the repeats reuse prompts, and the in-process systems
+                                    # prefill every request, so both sides do the same work
+                                    model_args=["--dtype", self.args.dtype, "--prefix-cache-mb", "0"],
                                     coordinator_args=["--draft-len", str(self.args.draft_len),
                                                       "--max-draft-len", str(self.args.max_draft_len), *flags])
             self.deployments[system] = deployment.start()
@@ -437,7 +445,8 @@ def _bars(result: dict[str, Any]) -> dict[str, Any]:
         speedup = greedy8[0]["systems"][BASS]["speedup_vs_a"]
         bars["bass_2x_vs_a_at_n8_greedy"] = {"value": speedup, "met": speedup >= 2.0}
     for p in points:
-        for system, name in (("e_grpc_adaptive", "grpc_bass"), ("e_grpc_gated", "grpc_gated_bass")):
+        for system, name in (("e_grpc_adaptive", "grpc_bass"), ("e_grpc_gated", "grpc_gated_bass"),
+                             ("e_grpc_default", "grpc_default_bass")):
             served = p["systems"].get(system, {})
             if p["n"] == 8 and "speedup_vs_grpc_target" in served:
                 greedy = p["temperature"] == 0
@@ -493,8 +502,8 @@ def markdown(result: dict[str, Any]) -> str:
                   "| no lookup vs (a) "
                   "| gated vs (a) (plain rounds) "
                   "| gRPC overhead (e)/(d) | gRPC BASS vs gRPC target | gRPC gated vs gRPC target "
-                  "| acceptance (no lookup) | mean k | greedy (d),(e) = (a) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| gRPC defaults vs gRPC target | acceptance (no lookup) | mean k | greedy (d),(e) = (a) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for p in points:
             s = p["systems"]
             d = s.get(BASS, {})
@@ -515,6 +524,7 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{_fmt(p.get('grpc_overhead', None) and 100 * p['grpc_overhead'], '+.1f', '%')} | "
                          f"{_fmt(s.get('e_grpc_adaptive', {}).get('speedup_vs_grpc_target'), '.2f', '×')} | "
                          f"{_fmt(s.get('e_grpc_gated', {}).get('speedup_vs_grpc_target'), '.2f', '×')} | "
+                         f"{_fmt(s.get('e_grpc_default', {}).get('speedup_vs_grpc_target'), '.2f', '×')} | "
                          f"{_fmt(d.get('acceptance'), '.2f')} ({_fmt(alone.get('acceptance'), '.2f')}) | "
                          f"{_fmt(d.get('mean_draft_len'), '.1f')} | {same} |")
         lines.append("")

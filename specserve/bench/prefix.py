@@ -2,8 +2,8 @@
 prompt, served with the target's prefix cache on and off, side by side.
 
 For each system-prompt length L two deployments run at once (a target service and a coordinator each, no
-draft): one with ``--prefix-cache-mb``, one without. They are driven alternately, so drifts of the machine
-hit both alike. Per L and deployment:
+draft): one with ``--prefix-cache-mb``, one with ``--prefix-cache-mb 0``. They are driven alternately, so
+drifts of the machine hit both alike. Per L and deployment:
 
 * **TTFT** (``--repeats`` times, median): one request (n samples, one new token) with a fresh variant of the
   system prompt (a miss everywhere), then one with the same system prompt and another question (a hit when
@@ -167,7 +167,8 @@ def run_prefix_bench(args: argparse.Namespace, model: Path) -> dict[str, object]
     rows = []
     for length in args.system_tokens:
         deployments = {
-            "off": Deployment(str(model), None, coordinator_args=coordinator_args),
+            "off": Deployment(str(model), None, model_args=["--prefix-cache-mb", "0"],
+                              coordinator_args=coordinator_args),
             "on": Deployment(str(model), None, model_args=["--prefix-cache-mb", str(args.prefix_cache_mb)],
                              coordinator_args=coordinator_args),
         }
