@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.prefix_cache import PrefixSpan
-from kernels.cascade import ContextFn, ContextLevel, DecodeFn, cascade_attention, contiguous_runs
+from kernels.cascade import CascadeFn, ContextLevel, contiguous_runs
 from kernels.standard import standard_attention
 
 BifurcatedFn = Callable[..., torch.Tensor]
@@ -170,16 +170,16 @@ class KVLayout(ABC):
 class BifurcatedKV(KVLayout):
     """Prompt KV stored once per group, decode KV per row; attention split and merged by LSE.
 
-    ``attention`` is the two-part (prefix, decode) kernel; ``parts`` = (context, decode) part functions of the
-    same backend, which cascade attention composes when groups have shared spans from a prefix cache.
+    ``attention`` is the two-level (prefix, decode) kernel; ``cascade`` the many-level one of the same backend,
+    which attends when groups have shared spans from a prefix cache.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  attention: BifurcatedFn, device: torch.device | str = "cpu",
-                 parts: tuple[ContextFn, DecodeFn] | None = None) -> None:
+                 cascade: CascadeFn | None = None) -> None:
         super().__init__(num_layers, kv_heads, head_dim, dtype, device)
         self._attention = attention
-        self._parts = parts
+        self._cascade = cascade
         self._plan: _CascadePlan | None = None
         self._plan_version = -1
         self.prefix_k = [self._zeros(kv_heads, 0, head_dim) for _ in range(num_layers)]
@@ -190,8 +190,8 @@ class BifurcatedKV(KVLayout):
     def add_group(self, rows: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                   shared: PrefixSpan | None = None) -> None:
         stored = int(keys[0].shape[1])
-        if shared is not None and self._parts is None:
-            raise ValueError("shared prefix spans need the layout's context/decode part functions")
+        if shared is not None and self._cascade is None:
+            raise ValueError("shared prefix spans need the layout's cascade attention")
         if shared is None and stored == 0:
             raise ValueError("a group needs a non-empty prompt")
         for layer in range(self.num_layers):
@@ -231,13 +231,12 @@ class BifurcatedKV(KVLayout):
                scale: float) -> torch.Tensor:
         plan = self._cascade_plan()
         if plan.spans:
-            assert self._parts is not None
+            assert self._cascade is not None
             levels = [ContextLevel(self.prefix_k[layer][:, lo:hi], self.prefix_v[layer][:, lo:hi], offsets, groups,
                                    row_lo) for lo, hi, offsets, groups, row_lo in plan.own]
             levels += [ContextLevel(span.keys[layer], span.values[layer], (0, len(span.tokens)), (0, hi - lo), lo)
                        for span, lo, hi in plan.spans]
-            return cascade_attention(q, levels, self.decode_k[layer], self.decode_v[layer], base, lens, scale,
-                                     *self._parts)
+            return self._cascade(q, levels, self.decode_k[layer], self.decode_v[layer], base, lens, scale)
         (_, _, offsets, groups, _), = plan.own
         return self._attention(
             q, self.prefix_k[layer], self.prefix_v[layer], list(offsets), list(groups),

@@ -23,7 +23,7 @@ from engine.graphs import StepGraphs, graphs_supported
 from engine.kv_cache import ATTENTION_LAYOUTS, BifurcatedKV, ExpandedKV, KVLayout
 from engine.prefix_cache import PREFIX_BLOCK_TOKENS, PrefixCache, PrefixHit, PrefixSpan
 from engine.sampling import sequence_generator
-from kernels import backend_for_device, get_attention_parts, get_bifurcated_attention
+from kernels import backend_for_device, get_bifurcated_attention, get_cascade_attention
 
 # Decode slots reserved per sequence beyond max_new_tokens: the draft window that may overshoot.
 SPECULATION_MARGIN = 16
@@ -60,7 +60,7 @@ class ModelRuntime:
         self.attention = attention
         self.attention_backend = backend_for_device(attention_backend, self.decoder.device)
         self._bifurcated = get_bifurcated_attention(self.attention_backend)
-        self._parts = get_attention_parts(self.attention_backend)
+        self._cascade = get_cascade_attention(self.attention_backend)
         self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block_tokens) if prefix_cache_bytes > 0 else None
         capturable = graphs_supported(self.decoder.device, attention, self.attention_backend)
         if cuda_graphs and not capturable:
@@ -130,7 +130,7 @@ class ModelRuntime:
         d = self.decoder
         if self.attention == "bifurcated":
             return BifurcatedKV(d.num_layers, d.kv_heads, d.head_dim, d.dtype, self._bifurcated, d.device,
-                                self._parts)
+                                self._cascade)
         return ExpandedKV(d.num_layers, d.kv_heads, d.head_dim, d.dtype, d.device)
 
     def get_batch(self, batch_id: str) -> Batch:

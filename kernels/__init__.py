@@ -8,16 +8,14 @@ from collections.abc import Callable
 
 import torch
 
-# backend name -> (module, function); the Triton module is imported lazily (importing triton on a CPU-only
-# machine is harmless, but its kernels need TRITON_INTERPRET=1 set before the import to run on CPU).
-ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
-    "torch": ("kernels.bifurcated", "bifurcated_attention"),
-    "triton": ("kernels.bifurcated_triton", "bifurcated_attention_triton"),
-}
-# backend name -> its (context part, decode part) functions, which cascade attention composes.
-ATTENTION_PARTS: dict[str, tuple[str, str]] = {
-    "torch": ("context_attention", "decode_attention"),
-    "triton": ("context_attention_triton", "decode_attention_triton"),
+# backend name -> {kind: "module:function"} for the two-level (bifurcated) and the many-level (cascade)
+# attention. The Triton module is imported lazily (importing triton on a CPU-only machine is harmless, but
+# its kernels need TRITON_INTERPRET=1 set before the import to run on CPU).
+ATTENTION_BACKENDS: dict[str, dict[str, str]] = {
+    "torch": {"bifurcated": "kernels.bifurcated:bifurcated_attention",
+              "cascade": "kernels.cascade:cascade_attention"},
+    "triton": {"bifurcated": "kernels.bifurcated_triton:bifurcated_attention_triton",
+               "cascade": "kernels.bifurcated_triton:cascade_attention_triton"},
 }
 
 
@@ -37,25 +35,22 @@ def get_bifurcated_attention(backend: str | None = None) -> Callable[..., torch.
     Every backend has the signature of :func:`kernels.bifurcated.bifurcated_attention` and the same
     result up to floating-point rounding. Raises ``ValueError`` for an unknown backend name.
     """
-    module, name = _backend_module(backend)
-    return getattr(module, ATTENTION_BACKENDS[name][1])
+    return _backend_function(backend, "bifurcated")
 
 
-def get_attention_parts(backend: str | None = None) -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]],
-                                                             Callable[..., tuple[torch.Tensor, torch.Tensor]]]:
-    """The (context, decode) part functions of ``backend``, with the signatures of
-    :func:`kernels.bifurcated.context_attention` and :func:`kernels.bifurcated.decode_attention`; both return
-    fp32 (o, lse). Raises ``ValueError`` for an unknown backend name."""
-    module, name = _backend_module(backend)
-    context, decode = ATTENTION_PARTS[name]
-    return getattr(module, context), getattr(module, decode)
+def get_cascade_attention(backend: str | None = None) -> Callable[..., torch.Tensor]:
+    """Return the cascade-attention function of ``backend`` (names as for ``get_bifurcated_attention``): the
+    signature of :func:`kernels.cascade.cascade_attention` (levels of shared context plus per-row decode KV),
+    the same result up to rounding. Raises ``ValueError`` for an unknown backend name."""
+    return _backend_function(backend, "cascade")
 
 
-def _backend_module(backend: str | None) -> tuple[object, str]:
+def _backend_function(backend: str | None, kind: str) -> Callable[..., torch.Tensor]:
     name = default_backend() if backend in (None, "", "auto") else backend
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {sorted(ATTENTION_BACKENDS)}")
-    return importlib.import_module(ATTENTION_BACKENDS[name][0]), name
+    module, function = ATTENTION_BACKENDS[name][kind].split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def backend_for_device(backend: str | None, device: torch.device) -> str:

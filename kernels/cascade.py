@@ -7,9 +7,11 @@ for all the rows below it. The parts are combined with the running merge
 
     lse = log(e^lse_a + e^lse_b),  o = (e^lse_a o_a + e^lse_b o_b) / e^lse
 
-which is exact in any order. A level's part is computed by the backend's context function (PyTorch or
-Triton), the decode part by its decode function. Levels that reach disjoint rows (the per-request
-branches of one tree depth) form a tier whose parts are merged into the running state in one step.
+which is exact in any order. This is the PyTorch version: a level's part is computed by
+``context_attention``, the decode part by ``decode_attention``, and levels that reach disjoint rows (the
+per-request branches of one tree depth) form a tier whose parts are merged into the running state in one
+step. The Triton version (``kernels.bifurcated_triton.cascade_attention_triton``) needs no merge: one
+online softmax per row walks its levels and its decode keys in one launch.
 """
 
 from __future__ import annotations
@@ -19,10 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.bifurcated import merge_states
+from kernels.bifurcated import context_attention, decode_attention, merge_states
 
-ContextFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-DecodeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+CascadeFn = Callable[..., torch.Tensor]  # the signature of cascade_attention
 
 
 @dataclass(frozen=True)
@@ -44,16 +45,16 @@ class ContextLevel:
 
 
 def cascade_attention(q: torch.Tensor, levels: Sequence[ContextLevel], decode_k: torch.Tensor,
-                      decode_v: torch.Tensor, decode_base: torch.Tensor, decode_lens: torch.Tensor, scale: float,
-                      context: ContextFn, decode: DecodeFn) -> torch.Tensor:
+                      decode_v: torch.Tensor, decode_base: torch.Tensor, decode_lens: torch.Tensor, scale: float
+                      ) -> torch.Tensor:
     """Attention of q [B, Hq, W, D] over every level reaching its row plus its own decode keys
     ``j < min(decode_base[b] + i + 1, decode_lens[b])``. Equal (up to rounding) to softmax attention over
     the concatenation of those keys; no level is copied per row. Returns [B, Hq, W, D] in q's dtype."""
-    o, lse = decode(q, decode_k, decode_v, decode_base, decode_lens, scale)
+    o, lse = decode_attention(q, decode_k, decode_v, decode_base, decode_lens, scale)
     for tier in disjoint_tiers(levels):
         lo, hi = tier[0].row_lo, tier[-1].row_hi
         if len(tier) == 1:
-            o_tier, lse_tier = _context_part(q, tier[0], context, scale)
+            o_tier, lse_tier = _context_part(q, tier[0], scale)
         else:  # one merge for the whole tier; rows no level of it reaches get lse = -inf (weight 0)
             o_tier = torch.empty((hi - lo, *q.shape[1:]), dtype=torch.float32, device=q.device)
             lse_tier = torch.empty((hi - lo, *q.shape[1:3]), dtype=torch.float32, device=q.device)
@@ -63,15 +64,14 @@ def cascade_attention(q: torch.Tensor, levels: Sequence[ContextLevel], decode_k:
                     o_tier[covered - lo:level.row_lo - lo] = 0.0
                     lse_tier[covered - lo:level.row_lo - lo] = float("-inf")
                 rows = slice(level.row_lo - lo, level.row_hi - lo)
-                o_tier[rows], lse_tier[rows] = _context_part(q, level, context, scale)
+                o_tier[rows], lse_tier[rows] = _context_part(q, level, scale)
                 covered = level.row_hi
         o[lo:hi], lse[lo:hi] = merge_states(o[lo:hi], lse[lo:hi], o_tier, lse_tier)
     return o.to(q.dtype)
 
 
-def _context_part(q: torch.Tensor, level: ContextLevel, context: ContextFn, scale: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    return context(q[level.row_lo:level.row_hi], level.k, level.v, list(level.prefix_offsets),
+def _context_part(q: torch.Tensor, level: ContextLevel, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return context_attention(q[level.row_lo:level.row_hi], level.k, level.v, list(level.prefix_offsets),
                    list(level.group_offsets), scale)
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels import ATTENTION_BACKENDS, get_attention_parts, get_bifurcated_attention  # noqa: E402
+from kernels import ATTENTION_BACKENDS, get_bifurcated_attention, get_cascade_attention  # noqa: E402
 from kernels.bifurcated import (  # noqa: E402
     bifurcated_attention,
     context_attention,
@@ -228,8 +228,10 @@ def test_kv_bytes_report_n_fold_prompt_reduction() -> None:
 def test_backend_registry() -> None:
     assert set(ATTENTION_BACKENDS) == {"torch", "triton"}
     assert get_bifurcated_attention("torch") is bifurcated_attention
-    with pytest.raises(ValueError):
-        get_bifurcated_attention("nope")
+    assert get_cascade_attention("torch") is cascade_attention
+    for get in (get_bifurcated_attention, get_cascade_attention):
+        with pytest.raises(ValueError):
+            get("nope")
 
 
 # ---------------------------------------------------------------------------------------------- Triton
@@ -246,7 +248,7 @@ def _triton_in_process() -> bool:
     import triton.language.standard as tl_standard
 
     module = importlib.import_module("kernels.bifurcated_triton")
-    kernels_ok = "Interpreted" in type(module._context_kernel).__name__
+    kernels_ok = "Interpreted" in type(module._cascade_kernel).__name__
     return kernels_ok and "Interpreted" in type(tl_standard.zeros).__name__
 
 
@@ -343,20 +345,27 @@ def test_bench_attention_and_decode_smoke(tmp_path, capsys) -> None:
 # ------------------------------------------------------------------------------- cascade (prefix cache tree)
 
 
-def cascade_case(device: str) -> tuple[torch.Tensor, list[ContextLevel], torch.Tensor, torch.Tensor, torch.Tensor,
-                                       torch.Tensor]:
+def cascade_case(device: str, dtype: torch.dtype = torch.float32, views: bool = False
+                 ) -> tuple[torch.Tensor, list[ContextLevel], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Seven rows under a tree: a root span read by all, a branch span by rows 0-2, another by row 6, two
-    groups' own prompt tails (rows 3 and 4); row 5 reads the root only. GQA 2 x 2, window 2."""
+    groups' own prompt tails (rows 3 and 4); row 5 reads the root only. GQA 2 x 2, window 2. With ``views``
+    the levels' KV are strided views (a slice of a longer run, a position-major tensor), as the layout's
+    packed prompt tails and the cache's spans are."""
     gen = torch.Generator().manual_seed(11)
 
     def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device)
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    def kv(length: int) -> torch.Tensor:
+        if not views:
+            return rnd(hkv, length, dim)
+        return rnd(hkv, length + 5, dim)[:, 2:2 + length] if length % 2 else rnd(length, hkv, dim).transpose(0, 1)
 
     hkv, hq, window, dim, rows, capacity = 2, 4, 2, 16, 7, 5
-    levels = [ContextLevel(rnd(hkv, 9, dim), rnd(hkv, 9, dim), (0, 9), (0, rows), 0),
-              ContextLevel(rnd(hkv, 5, dim), rnd(hkv, 5, dim), (0, 5), (0, 3), 0),
-              ContextLevel(rnd(hkv, 6, dim), rnd(hkv, 6, dim), (0, 4, 6), (0, 1, 2), 3),
-              ContextLevel(rnd(hkv, 3, dim), rnd(hkv, 3, dim), (0, 3), (0, 1), 6)]
+    levels = [ContextLevel(kv(9), kv(9), (0, 9), (0, rows), 0),
+              ContextLevel(kv(5), kv(5), (0, 5), (0, 3), 0),
+              ContextLevel(kv(6), kv(6), (0, 4, 6), (0, 1, 2), 3),
+              ContextLevel(kv(3), kv(3), (0, 3), (0, 1), 6)]
     base = torch.tensor([0, 1, 3, 0, 2, 1, 0], device=device)
     lens = torch.tensor([2, 3, 5, 1, 4, 3, 2], device=device)
     return rnd(rows, hq, window, dim), levels, rnd(rows, hkv, capacity, dim), rnd(rows, hkv, capacity, dim), base, lens
@@ -393,14 +402,42 @@ def test_cascade_tiers_never_share_a_row() -> None:
     assert [[(lv.row_lo, lv.row_hi) for lv in tier] for tier in tiers] == [[(0, 7)], [(0, 3), (3, 5), (6, 7)]]
 
 
-def test_cascade_torch_matches_sdpa() -> None:
-    q, levels, dk, dv, base, lens = cascade_case("cpu")
-    out = cascade_attention(q, levels, dk, dv, base, lens, 0.25, *get_attention_parts("torch"))
+@pytest.mark.parametrize("views", [False, True])
+def test_cascade_torch_matches_sdpa(views: bool) -> None:
+    q, levels, dk, dv, base, lens = cascade_case("cpu", views=views)
+    out = cascade_attention(q, levels, dk, dv, base, lens, 0.25)
     assert_close(out, cascade_reference(q, levels, dk, dv, base, lens, 0.25), torch.float32)
 
 
-def test_triton_cascade_matches_sdpa() -> None:
-    _triton_module()
+@pytest.mark.parametrize("dtype,views", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
+def test_triton_cascade_matches_sdpa(dtype: torch.dtype, views: bool) -> None:
+    """The one-launch cascade kernel over a tree of levels held in separate, strided tensors."""
+    module = _triton_module()
+    q, levels, dk, dv, base, lens = cascade_case(TRITON_DEVICE, dtype, views)
+    out = module.cascade_attention_triton(q, levels, dk, dv, base, lens, 0.25)
+    assert out.dtype == dtype
+    assert_close(out, cascade_reference(q, levels, dk, dv, base, lens, 0.25), dtype)
+    assert get_cascade_attention("triton") is module.cascade_attention_triton
+
+
+def test_triton_cascade_plan_is_cached_and_retained() -> None:
+    """A repeated launch reuses its tables (nothing copied to the device), and a retainer open around a
+    launch keeps them (what a captured CUDA graph replays)."""
+    module = _triton_module()
     q, levels, dk, dv, base, lens = cascade_case(TRITON_DEVICE)
-    out = cascade_attention(q, levels, dk, dv, base, lens, 0.25, *get_attention_parts("triton"))
-    assert_close(out, cascade_reference(q, levels, dk, dv, base, lens, 0.25), torch.float32)
+    with module.retain_launch_tensors() as first:
+        module.cascade_attention_triton(q, levels, dk, dv, base, lens, 0.25)
+    with module.retain_launch_tensors() as second:
+        module.cascade_attention_triton(q, levels, dk, dv, base, lens, 0.25)
+    assert len(first) == 1 and second[0] is first[0]
+
+
+def test_triton_cascade_rejects_levels_that_do_not_fit() -> None:
+    module = _triton_module()
+    q, levels, dk, dv, base, lens = cascade_case(TRITON_DEVICE)
+    wrong_heads = ContextLevel(levels[0].k[:1], levels[0].v[:1], (0, 9), (0, 7), 0)
+    too_many_rows = ContextLevel(levels[0].k, levels[0].v, (0, 9), (0, 8), 0)
+    past_its_keys = ContextLevel(levels[0].k, levels[0].v, (0, 10), (0, 7), 0)
+    for level in (wrong_heads, too_many_rows, past_its_keys):
+        with pytest.raises(ValueError):
+            module.cascade_attention_triton(q, [level], dk, dv, base, lens, 0.25)
