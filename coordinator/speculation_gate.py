@@ -4,10 +4,12 @@ Speculation wins when the draft is good and verification is cheap, and loses oth
 high temperature on a CPU, where verifying k tokens costs more than a decode step). Which holds depends on
 the model pair, the hardware, the requests and the batch, so the gate measures it: it keeps an exponential
 moving average of the batch's emitted tokens per second for speculative rounds and for plain rounds (no
-draft call, one target decode step), runs the better kind, and every ``probe_every``-th round runs the other
-kind once to keep its figure current. It starts speculating, and probes plain decoding after its first
-``probe_every`` rounds. A plain round leaves the output unchanged: greedy output stays the target's, and a
-sampled token comes from the target's distribution either way.
+draft call, one target decode step) and runs the better kind. It starts speculating and runs a plain round
+second, so both kinds are measured from the third round on. Then it probes: a round of the slower kind
+after ``probe_every`` rounds keeps that figure current, and each probe that confirms the choice doubles
+the gap to the next (up to ``PROBE_BACKOFF`` times ``probe_every``; one that changes it resets the gap), so
+a choice that keeps holding costs few probes. A plain round leaves the output unchanged: greedy output
+stays the target's, and a sampled token comes from the target's distribution either way.
 
 The figures belong to a batch's *mix*: whether any of its sequences samples (temperature > 0) or all are
 greedy. Acceptance, and with it what speculation is worth, differs most between the two (a draft that pays
@@ -20,7 +22,7 @@ both. The reason is its remaining weakness: the figure for speculation is set by
 rounds ran, and a request's first rounds, before the draft's prompt lookup has earned trust, are its
 worst, so with short requests it can run plain rounds where speculation would have paid. On the default
 pair that costs greedy batches more than it saves them, and saves sampled ones more than it costs
-(docs/benchmarks.md, runs E and F).
+(docs/benchmarks.md, runs E–H).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PROBE_EVERY = 16
+PROBE_BACKOFF = 4  # a probe that confirms the choice doubles the gap to the next, up to this many times PROBE_EVERY
 GATE_MODES = ("off", "sampled", "on")  # which batch mixes the gate judges: none, those with a sampled sequence, all
 DEFAULT_GATE_MODE = "sampled"
 SMOOTHING = 0.25  # weight of the newest round in the moving averages
@@ -35,8 +38,10 @@ SMOOTHING = 0.25  # weight of the newest round in the moving averages
 
 @dataclass
 class _Figures:
-    """One mix's measured tokens per second of each round kind, and its rounds so far."""
+    """One mix's measured tokens per second of each round kind, its rounds so far, and when it next probes."""
 
+    next_probe: int  # index of the round that runs the slower kind
+    gap: int  # rounds from one probe to the next
     rate: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})  # speculative?
     rounds: int = 0
 
@@ -70,13 +75,19 @@ class SpeculationGate:
         return plain is None or speculative is None or speculative >= plain
 
     def speculate(self, sampled: bool = False) -> bool:
-        """True when the next round of a batch of this mix should propose draft tokens: the better kind,
-        except for a probe round of the other kind every ``probe_every`` rounds of the mix; always True for an
-        all-greedy batch when the gate judges sampled batches only."""
+        """True when the next round of a batch of this mix should propose draft tokens. The first round
+        speculates and, from the second on, a kind not measured yet runs (so both are measured by the third
+        round, not only at the first probe); then the better kind, except for a probe round of the other
+        kind: the first at round ``probe_every``, each next one ``probe_every`` rounds later, or twice the
+        last gap (up to ``PROBE_BACKOFF`` times ``probe_every``) when the probe confirmed the choice.
+        Always True for an all-greedy batch when the gate judges sampled batches only."""
         if self.sampled_only and not sampled:
             return True
-        probe = (self._figures(sampled).rounds + 1) % self.probe_every == 0
-        return self.better(sampled) != probe
+        figures = self._figures(sampled)
+        unmeasured = [kind for kind in (True, False) if figures.rate[kind] is None]
+        if figures.rounds >= 1 and unmeasured:
+            return unmeasured[0]
+        return self.better(sampled) != (figures.rounds >= figures.next_probe)
 
     def record(self, speculated: bool, tokens: int, seconds: float, sampled: bool = False) -> None:
         """Account one finished round of the mix: ``tokens`` emitted by the batch in ``seconds`` (nothing for a
@@ -84,12 +95,16 @@ class SpeculationGate:
         if self.sampled_only and not sampled:
             return
         figures = self._figures(sampled)
+        index = figures.rounds
         figures.rounds += 1
-        if seconds <= 0 or tokens <= 0:
-            return
-        rate = tokens / seconds
-        old = figures.rate[speculated]
-        figures.rate[speculated] = rate if old is None else old + self.smoothing * (rate - old)
+        if seconds > 0 and tokens > 0:
+            rate = tokens / seconds
+            old = figures.rate[speculated]
+            figures.rate[speculated] = rate if old is None else old + self.smoothing * (rate - old)
+        if index >= figures.next_probe:  # the probe's round: the kind it ran still slower backs the next off
+            confirmed = self.better(sampled) != speculated
+            figures.gap = min(2 * figures.gap, PROBE_BACKOFF * self.probe_every) if confirmed else self.probe_every
+            figures.next_probe = index + figures.gap
 
     def reset(self) -> None:
         """Forget every figure: the next round starts as a new gate's would."""
@@ -104,4 +119,7 @@ class SpeculationGate:
         return None if mode == "off" else cls(probe_every, sampled_only=mode == "sampled")
 
     def _figures(self, sampled: bool) -> _Figures:
-        return self._mixes.setdefault(sampled, _Figures())
+        figures = self._mixes.get(sampled)
+        if figures is None:
+            figures = self._mixes[sampled] = _Figures(next_probe=self.probe_every - 1, gap=self.probe_every)
+        return figures

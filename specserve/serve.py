@@ -120,7 +120,8 @@ def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
                              "flag alone), or never (off); on the default pair it helps at T = 0.8 and costs "
                              "greedy, docs/benchmarks.md")
     parser.add_argument("--speculation-probe-every", type=int, default=PROBE_EVERY,
-                        help="every N-th round runs the slower kind (plain or speculative) once to re-measure it")
+                        help="after N rounds one round of the slower kind (plain or speculative) re-measures it; "
+                             "probes that confirm the choice double the gap, up to 4N")
     parser.add_argument("--model-timeout", type=float, default=60.0,
                         help="deadline of target calls (s); a timed-out prefill is retried with twice the deadline, "
                              "4 tries in all")

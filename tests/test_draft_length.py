@@ -39,23 +39,31 @@ def test_rejects_bad_bounds():
         DraftLength(5, 4)
 
 
-def run_rounds(gate: SpeculationGate, rounds: int, speculative_rate: float, plain_rate: float) -> list[bool]:
-    """Run ``rounds`` rounds at the given tokens per second of each kind; returns which kind each round was."""
-    kinds = []
+def run_rounds(gate: SpeculationGate, rounds: int, speculative_rate: float, plain_rate: float,
+               sampled: bool = False) -> str:
+    """Run ``rounds`` rounds at the given tokens per second of each kind; returns the kinds run, one letter
+    per round: S speculative, p plain."""
+    kinds = ""
     for _ in range(rounds):
-        speculative = gate.speculate()
-        kinds.append(speculative)
-        gate.record(speculative, 8, 8 / (speculative_rate if speculative else plain_rate))
+        speculative = gate.speculate(sampled)
+        kinds += "S" if speculative else "p"
+        gate.record(speculative, 8, 8 / (speculative_rate if speculative else plain_rate), sampled)
     return kinds
 
 
 def test_gate_runs_the_faster_kind_and_probes_the_other():
     gate = SpeculationGate(probe_every=4)
-    assert run_rounds(gate, 8, speculative_rate=200.0, plain_rate=100.0) == [True, True, True, False] * 2
+    assert run_rounds(gate, 8, speculative_rate=200.0, plain_rate=100.0) == "SpSpSSSS"  # both measured, a probe
     kinds = run_rounds(gate, 16, speculative_rate=50.0, plain_rate=100.0)  # speculation stopped paying
-    assert kinds[-8:] == [False, False, False, True] * 2  # plain rounds, a speculative probe every 4th
-    kinds = run_rounds(gate, 24, speculative_rate=400.0, plain_rate=100.0)  # it pays again: back to it
-    assert kinds[-8:] == [True, True, True, False] * 2
+    assert kinds[-8:] == "pppppppp"
+    kinds = run_rounds(gate, 40, speculative_rate=400.0, plain_rate=100.0)  # it pays again: back to it
+    assert kinds == "pppS" + "SSSp" + "SSSSSSSp" + "SSSSSSSSSSSSSSSp" + "SSSSSSSS"  # probes back off: 4, 8, 16
+
+
+def test_probes_that_confirm_the_choice_back_off_to_four_times_the_interval():
+    gate = SpeculationGate(probe_every=4)
+    kinds = run_rounds(gate, 48, speculative_rate=50.0, plain_rate=100.0)
+    assert [i for i, kind in enumerate(kinds) if kind == "S"] == [0, 3, 11, 27, 43]  # gaps 8, 16, 16
 
 
 def test_draft_length_with_a_gate_proposes_nothing_in_plain_rounds():
@@ -78,13 +86,20 @@ def test_gate_keeps_greedy_and_sampled_batches_apart():
     assert not gate.better(sampled=True)
     assert gate.better(sampled=False) and gate.speculate(sampled=False)
     assert gate.rate(sampled=False) == {True: None, False: None}
-    kinds = []
-    for _ in range(8):  # greedy batches: speculation twice as fast, probed as a fresh gate would
-        speculative = gate.speculate(sampled=False)
-        kinds.append(speculative)
-        gate.record(speculative, 8, 8 / (200.0 if speculative else 100.0), sampled=False)
-    assert kinds == [True, True, True, False] * 2
+    # greedy batches: speculation twice as fast, probed as a fresh gate would
+    assert run_rounds(gate, 8, speculative_rate=200.0, plain_rate=100.0, sampled=False) == "SpSpSSSS"
     assert not gate.better(sampled=True)  # the sampled figures are untouched
+
+
+def test_gate_measures_both_kinds_in_its_first_rounds():
+    """The second round runs the kind not measured yet (plain), so a losing speculation stops at round 3
+    rather than at the first probe; a kind whose round gave no figure is tried again."""
+    gate = SpeculationGate(probe_every=16)
+    assert run_rounds(gate, 4, speculative_rate=50.0, plain_rate=100.0) == "Sppp"
+    fresh = SpeculationGate(probe_every=16)
+    assert fresh.speculate()
+    fresh.record(True, 0, 1.0)  # a speculative round that emitted nothing: still unmeasured
+    assert fresh.speculate()
 
 
 def test_reset_forgets_the_figures_and_the_grown_k():
@@ -101,16 +116,11 @@ def test_reset_forgets_the_figures_and_the_grown_k():
 def test_sampled_mode_gates_sampled_batches_and_always_speculates_for_greedy_ones():
     """The default mode: plain rounds that win stop speculation on sampled batches only."""
     gate = SpeculationGate.for_mode("sampled", probe_every=4)
-    assert run_rounds(gate, 8, speculative_rate=50.0, plain_rate=100.0) == [True] * 8  # greedy: not judged
+    assert run_rounds(gate, 8, speculative_rate=50.0, plain_rate=100.0) == "S" * 8  # greedy: not judged
     assert gate.rate(sampled=False) == {True: None, False: None}
-    kinds = []
-    for _ in range(8):
-        speculative = gate.speculate(sampled=True)
-        kinds.append(speculative)
-        gate.record(speculative, 8, 8 / (50.0 if speculative else 100.0), sampled=True)
-    assert kinds == [True, True, True, False, False, False, False, True]  # plain once measured faster
+    assert run_rounds(gate, 8, speculative_rate=50.0, plain_rate=100.0, sampled=True) == "SppSpppp"
     everywhere = SpeculationGate.for_mode("on", probe_every=4)
-    assert run_rounds(everywhere, 8, speculative_rate=50.0, plain_rate=100.0)[-4:] == [False, False, False, True]
+    assert run_rounds(everywhere, 8, speculative_rate=50.0, plain_rate=100.0) == "SppSpppp"
     assert SpeculationGate.for_mode("off") is None
 
 
