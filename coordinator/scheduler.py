@@ -386,7 +386,8 @@ class Scheduler:
         proposals = [model_pb2.Proposal(sequence_id=sid) for sid in live]
         start = time.monotonic()
         skip_draft = draft is not None and k == 0  # a plain round: the draft hears of its tokens next time
-        if draft is not None and not skip_draft:
+        drafted = draft is not None and not skip_draft
+        if drafted:
             updates = [model_pb2.SequenceUpdate(sequence_id=sid, accepted_len=self._updates[sid][0],
                                                 next_token_id=self._updates[sid][1],
                                                 catch_up_token_ids=self._catch_up.pop(sid, []))
@@ -411,7 +412,7 @@ class Scheduler:
             return
         tokens_proposed, tokens_accepted = self._apply(proposals, verified.verdicts, k, skip_draft,
                                                        time.monotonic() - start, sampled)
-        self.metrics.round_done(len(live), tokens_proposed, tokens_accepted)
+        self.metrics.round_done(len(live), tokens_proposed, tokens_accepted, drafted)
         span.set_attributes({"specserve.draft_len": k, "specserve.tokens_proposed": tokens_proposed,
                              "specserve.tokens_accepted": tokens_accepted, "specserve.kv_bytes": verified.kv_bytes})
 

@@ -28,7 +28,10 @@ class CoordinatorMetrics:
                                 ["status"], registry=r)
         self.errors = Counter("specserve_errors", "calls answered with a non-OK status, by code", ["code"],
                               registry=r)
-        self.rounds = Counter("specserve_rounds", "speculative rounds (draft Propose + target Verify)", registry=r)
+        self.rounds = Counter("specserve_rounds", "decode rounds of a batch (one target Verify each)", registry=r)
+        self.plain_rounds = Counter("specserve_plain_rounds",
+                                    "rounds run without a draft Propose (the speculation gate chose a plain decode "
+                                    "step, or no draft was reachable)", registry=r)
         self.proposed = Counter("specserve_draft_tokens_proposed", "draft tokens proposed to the target",
                                 registry=r)
         self.accepted = Counter("specserve_draft_tokens_accepted", "draft tokens the target accepted", registry=r)
@@ -70,9 +73,12 @@ class CoordinatorMetrics:
         """Make the queue-depth gauge read ``depth()`` at every scrape."""
         self.queue_depth.set_function(lambda: float(depth()))
 
-    def round_done(self, sequences: int, proposed: int, accepted: int) -> None:
-        """Account one round: its batch size and the draft tokens proposed/accepted in it."""
+    def round_done(self, sequences: int, proposed: int, accepted: int, drafted: bool) -> None:
+        """Account one round: its batch size, whether it called the draft and the draft tokens
+        proposed/accepted in it."""
         self.rounds.inc()
+        if not drafted:
+            self.plain_rounds.inc()
         self.batch_sequences.observe(sequences)
         if proposed:
             self.proposed.inc(proposed)

@@ -12,6 +12,7 @@ import pytest
 from conftest import coordinator_stub, target_replicas
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hf_oracle import greedy
+from prometheus_scrape import scrape, value
 from tiny_models import FIXED_K
 
 from engine.batch import GroupInput
@@ -172,7 +173,8 @@ def test_prefix_cache_over_grpc_hits_stays_exact_and_unpins_on_cancel(checkpoint
     HF-greedy output, and a cancelled stream leaves no reference."""
     prompt = list(range(40, 80))  # 40 tokens: two 16-token blocks can be cached
     request = coordinator_pb2.GenerateRequest(prompt_token_ids=prompt, n=3, max_new_tokens=12, ignore_eos=True)
-    with Deployment(str(checkpoints["llama"]), str(checkpoints["llama_draft"]), log_dir=tmp_path) as running:
+    with Deployment(str(checkpoints["llama"]), str(checkpoints["llama_draft"]), log_dir=tmp_path,
+                    metrics=True) as running:
         stub = coordinator_stub(running.coordinator_address)
         expected = greedy(checkpoints["llama"], prompt, 12, None)
         for cached in (0, 32):
@@ -183,6 +185,12 @@ def test_prefix_cache_over_grpc_hits_stays_exact_and_unpins_on_cancel(checkpoint
             held = stats(running.servers[role])
             assert held.prefix_cache_hit_tokens == 32 and held.prefix_cache_lookup_tokens == 80
             assert held.prefix_cache_bytes > 0 and held.prefix_cache_spans == 1
+            metrics = scrape(running.servers[role].metrics_port)  # Prometheus: the same bytes and hit rate
+            assert value(metrics, "specserve_prefix_cache_bytes") == held.prefix_cache_bytes, role
+            assert value(metrics, "specserve_prefix_cache_hit_rate") == pytest.approx(32 / 80), role
+        coordinator = scrape(running.servers["coordinator"].metrics_port)
+        assert value(coordinator, "specserve_cached_prompt_tokens_total") == 32
+        assert value(coordinator, "specserve_prompt_tokens_total") == 80
         stream = stub.GenerateStream(coordinator_pb2.GenerateRequest(prompt_token_ids=prompt, n=4,
                                                                      max_new_tokens=400, ignore_eos=True),
                                      timeout=300)

@@ -234,3 +234,26 @@ def test_confidence_floor_is_checked(pair, floor):
         DraftRuntime(pair[1].checkpoint, confidence_floor=floor)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "draft", "--confidence-floor", str(floor)])
+
+
+CACHED_PROMPT = [3, 17, 5, 9, 12, 4, 22, 8, 6]  # two whole 4-token blocks and one more token
+
+
+def test_speculative_sampling_from_cached_prefixes_has_the_target_distribution(pair):
+    """Draft and target both find the prompt's first 8 tokens in their prefix caches (an earlier request put
+    them there) and prefill only the rest: the samples still have the target's exact distribution."""
+    options = dict(prefix_cache_bytes=1 << 20, prefix_block_tokens=4)
+    target = TargetRuntime(pair[0].checkpoint, **options)
+    draft = DraftRuntime(pair[1].checkpoint, confidence_floor=0.0, **options)
+    earlier = GroupInput(0, CACHED_PROMPT[:8] + [30], [0], SamplingParams(), max_new_tokens=4)
+    for runtime in (target, draft):
+        runtime.prefill("earlier", [earlier])
+        runtime.release("earlier")
+    params = SamplingParams(temperature=1.0, seed=9)
+    samples = speculative_samples(target, draft, params, "cached", CACHED_PROMPT)
+    for runtime in (target, draft):
+        stats = runtime.stats()
+        assert stats["prefix_cache_hit_tokens"] == 8, runtime.role
+        assert stats["prefix_cache_refs"] == 0, runtime.role
+    exact = exact_distribution(target.checkpoint.model, params, CACHED_PROMPT)
+    assert chi_square_pvalue(samples, exact) > ALPHA

@@ -9,6 +9,7 @@ from hf_oracle import greedy
 
 from engine.batch import GroupInput
 from engine.checkpoint import load_checkpoint
+from engine.draft import DraftRuntime
 from engine.errors import InvalidInput
 from engine.prefix_cache import PrefixCache, PrefixHit
 from engine.sampling import SamplingParams
@@ -208,3 +209,32 @@ def test_a_live_group_id_cannot_be_prefilled_again(checkpoints):
     runtime.release("b", [10, 11])
     assert runtime.stats()["prefix_cache_refs"] == 0
     assert list(runtime.prefill("b", [group(1, 12)]).first_tokens) == [12]
+
+
+def test_draft_proposals_are_unchanged_by_its_cache(checkpoints):
+    """A draft that reads a request's prompt from its prefix cache proposes the tokens, and sends the
+    distributions, that it proposes with the cache off (sampled, seeded, k = 3, every proposal accepted)."""
+    params = SamplingParams(temperature=0.8, seed=4)
+    runs = []
+    for cache_bytes in (0, 1 << 24):
+        draft = DraftRuntime(load_checkpoint(checkpoints["llama_draft"]), prefix_cache_bytes=cache_bytes,
+                             prefix_block_tokens=BLOCK, confidence_floor=0.0)
+        vocab = draft.checkpoint.vocab_size
+        draft.prefill("earlier", [GroupInput(0, SYSTEM + [90], [0], params, 8)])
+        draft.release("earlier")
+        draft.prefill("b", [GroupInput(1, SYSTEM + [60, 61, 62], [10, 11], params, 16)])
+        updates = {sid: (0, 70 + sid, []) for sid in (10, 11)}
+        proposals = []
+        for _ in range(3):
+            round_ = draft.propose("b", updates, draft_len=3)
+            proposals.append([(p.token_ids, [d.to_dense(vocab) for d in p.distributions]) for p in round_])
+            updates = {p.sequence_id: (len(p.token_ids), 5, []) for p in round_}
+        runs.append((proposals, draft.stats()["prefix_cache_hit_tokens"]))
+        draft.release("b")
+    (off, off_hits), (on, on_hits) = runs
+    assert (off_hits, on_hits) == (0, 12)
+    for round_off, round_on in zip(off, on, strict=True):
+        for (tokens_off, dists_off), (tokens_on, dists_on) in zip(round_off, round_on, strict=True):
+            assert tokens_on == tokens_off
+            for p_off, p_on in zip(dists_off, dists_on, strict=True):
+                torch.testing.assert_close(p_on, p_off)

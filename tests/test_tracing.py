@@ -1,6 +1,7 @@
 """One traced request through coordinator, draft and target processes: one trace, correct parent/child
 edges across process boundaries, one propose and one verify per round, token counts equal to the usage,
-round spans linked to the request; the waterfall names every service."""
+round spans linked to the request, prefill spans counting the prompt tokens read from the prefix caches;
+the waterfall names every service."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from specserve.trace import TRACE_ENV, collect, traced_generate
 from specserve.v1 import coordinator_pb2
 from specserve.waterfall import render_html, render_png
 
+PROMPT = 'def area(radius):\n    """The area of a circle of the given radius."""\n'
 SERVICES = {"specserve-client", "specserve-coordinator", "specserve-draft", "specserve-target"}
 
 
@@ -30,10 +32,12 @@ def traced(checkpoints, tmp_path_factory):
                         coordinator_args=["--fixed-draft-len", "--draft-len", "3"],
                         # the random draft's top probabilities are 0.03-0.08: proposals of 1 or 2 of the 3
                         draft_args=["--confidence-floor", "0.002"]) as deployment:
-            request = coordinator_pb2.GenerateRequest(prompt="def area(radius):", n=3, max_new_tokens=20,
+            stub = coordinator_stub(deployment.coordinator_address)
+            request = coordinator_pb2.GenerateRequest(prompt=PROMPT, n=3, max_new_tokens=20,
                                                       temperature=1.0, seed=5, ignore_eos=True)
-            response, trace_id = traced_generate(coordinator_stub(deployment.coordinator_address), request,
-                                                 f"127.0.0.1:{receiver.port}", timeout_s=120)
+            # an untraced request first: the traced one finds the prompt's leading blocks in both prefix caches
+            stub.Generate(coordinator_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=1), timeout=120)
+            response, trace_id = traced_generate(stub, request, f"127.0.0.1:{receiver.port}", timeout_s=120)
             spans = collect(receiver, trace_id, timeout_s=30)
     return response, trace_id, spans
 
@@ -59,6 +63,9 @@ def test_request_trace_spans_all_services_with_cross_process_parents(traced):
         assert span.service == service and span.parent_span_id == prefill.span_id
         assert span.attributes["gen_ai.system"] == "specserve"
         assert span.attributes["gen_ai.request.model"]
+        assert span.attributes["specserve.cached_prompt_tokens"] == response.usage.cached_prompt_tokens
+    assert response.usage.cached_prompt_tokens >= 16  # at least one 16-token block came from the caches
+    assert prefill.attributes["specserve.cached_prompt_tokens"] == response.usage.cached_prompt_tokens
     a = generate.attributes
     assert a["specserve.n"] == 3 and a["gen_ai.request.max_tokens"] == 20
     assert a["gen_ai.request.temperature"] == pytest.approx(1.0) and a["gen_ai.request.top_p"] == pytest.approx(1.0)
