@@ -65,10 +65,11 @@ class Batch:
 
     def add(self, states: Sequence[SequenceState], keys: list[torch.Tensor], values: list[torch.Tensor],
             shared: PrefixSpan | None = None) -> None:
-        """Append one group's sequences (rows) with its prompt KV: the cached path ending at ``shared``, then
-        keys/values of the rest of the prompt."""
-        self.kv.add_group(len(states), keys, values, shared)
-        self.sequences.extend(states)
+        """Add one group's sequences (rows) with its prompt KV: the cached path ending at ``shared``, then
+        keys/values of the rest of the prompt. The rows go where the layout puts them (last, or next to the
+        groups that share their cached prefix); a group's rows stay contiguous."""
+        first_row = self.kv.add_group(len(states), keys, values, shared)
+        self.sequences[first_row:first_row] = states
 
     def release(self, sequence_ids: Iterable[int]) -> int:
         """Drop the given sequences and their KV; unknown ids are ignored. Returns how many were dropped."""

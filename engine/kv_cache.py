@@ -91,16 +91,17 @@ class KVLayout(ABC):
 
     @abstractmethod
     def add_group(self, rows: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                  shared: PrefixSpan | None = None) -> None:
-        """Append a group of ``rows`` samples whose prompt is the cached path ending at ``shared`` (None:
+                  shared: PrefixSpan | None = None) -> int:
+        """Add a group of ``rows`` samples whose prompt is the cached path ending at ``shared`` (None:
         nothing cached) followed by tokens whose KV per layer is keys/values [Hkv, P, D] (P may be 0 only
-        after a shared path)."""
+        after a shared path). Returns the group's first row; the rows after it move down by ``rows``."""
 
-    def _append_group(self, rows: int, prompt_len: int, stored_len: int, shared: PrefixSpan | None) -> None:
-        self.group_sizes.append(rows)
-        self.prefix_lens.append(prompt_len)
-        self.stored_lens.append(stored_len)
-        self.group_spans.append(shared)
+    def _insert_group(self, index: int, rows: int, prompt_len: int, stored_len: int,
+                      shared: PrefixSpan | None) -> None:
+        self.group_sizes.insert(index, rows)
+        self.prefix_lens.insert(index, prompt_len)
+        self.stored_lens.insert(index, stored_len)
+        self.group_spans.insert(index, shared)
         self._changed()
 
     @abstractmethod
@@ -188,21 +189,37 @@ class BifurcatedKV(KVLayout):
         self.decode_v = [self._zeros(0, kv_heads, 0, head_dim) for _ in range(num_layers)]
 
     def add_group(self, rows: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                  shared: PrefixSpan | None = None) -> None:
+                  shared: PrefixSpan | None = None) -> int:
+        """As ``KVLayout.add_group``; a group with a cached path goes right after the last group that reads
+        the deepest span of it (``_placement``), so each span is read by one contiguous run of rows."""
         stored = int(keys[0].shape[1])
         if shared is not None and self._cascade is None:
             raise ValueError("shared prefix spans need the layout's cascade attention")
         if shared is None and stored == 0:
             raise ValueError("a group needs a non-empty prompt")
+        index = self._placement(shared)
+        row, offset = sum(self.group_sizes[:index]), sum(self.stored_lens[:index])
         for layer in range(self.num_layers):
-            self.prefix_k[layer] = torch.cat([self.prefix_k[layer], keys[layer].to(self.prefix_k[layer])], dim=1)
-            self.prefix_v[layer] = torch.cat([self.prefix_v[layer], values[layer].to(self.prefix_v[layer])], dim=1)
-            capacity = self.decode_k[layer].shape[2]
-            self.decode_k[layer] = torch.cat([self.decode_k[layer], self._zeros(rows, self.kv_heads, capacity,
-                                                                                self.head_dim)])
-            self.decode_v[layer] = torch.cat([self.decode_v[layer], self._zeros(rows, self.kv_heads, capacity,
-                                                                                self.head_dim)])
-        self._append_group(rows, stored + (shared.end() if shared is not None else 0), stored, shared)
+            self.prefix_k[layer] = _inserted(self.prefix_k[layer], keys[layer], offset, dim=1)
+            self.prefix_v[layer] = _inserted(self.prefix_v[layer], values[layer], offset, dim=1)
+            fresh = self._zeros(rows, self.kv_heads, self.decode_k[layer].shape[2], self.head_dim)
+            self.decode_k[layer] = _inserted(self.decode_k[layer], fresh, row, dim=0)
+            self.decode_v[layer] = _inserted(self.decode_v[layer], fresh, row, dim=0)
+        self._insert_group(index, rows, stored + (shared.end() if shared is not None else 0), stored, shared)
+        return row
+
+    def _placement(self, shared: PrefixSpan | None) -> int:
+        """Where a group whose cached path ends at ``shared`` goes among the groups: after the last one whose
+        path holds the deepest span it shares with ``shared``'s path, else at the end. Groups then stay in
+        the depth-first order of the prefix tree, where the readers of every span are contiguous (one
+        context read per span and layer, not one per run of readers)."""
+        if shared is not None:
+            paths = [set(span.path()) if span is not None else set() for span in self.group_spans]
+            for node in reversed(shared.path()):
+                readers = [index for index, path in enumerate(paths) if node in path]
+                if readers:
+                    return readers[-1] + 1
+        return len(self.group_sizes)
 
     def keep_rows(self, keep: Sequence[bool]) -> None:
         row_index, spans = self._regroup(keep)
@@ -281,6 +298,12 @@ class BifurcatedKV(KVLayout):
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _inserted(tensor: torch.Tensor, part: torch.Tensor, at: int, dim: int) -> torch.Tensor:
+    """``tensor`` with ``part`` (cast to its dtype and device) inserted before index ``at`` along ``dim``."""
+    head, tail = tensor.split([at, tensor.shape[dim] - at], dim=dim)
+    return torch.cat([head, part.to(tensor), tail], dim=dim)
+
+
 @dataclass
 class _CascadePlan:
     """Per version: runs of groups with stored prompt tails (stored [lo, hi), segment offsets, row offsets,
@@ -300,7 +323,9 @@ class ExpandedKV(KVLayout):
         self.v = [self._zeros(0, kv_heads, 0, head_dim) for _ in range(num_layers)]
 
     def add_group(self, rows: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                  shared: PrefixSpan | None = None) -> None:
+                  shared: PrefixSpan | None = None) -> int:
+        """As ``KVLayout.add_group``; the group's rows go last (each holds a copy of its whole prompt)."""
+        first_row = self.rows
         path = shared.path() if shared is not None else []
         plen = int(keys[0].shape[1]) + sum(len(s.tokens) for s in path)
         self._ensure_capacity(plen)
@@ -311,7 +336,8 @@ class ExpandedKV(KVLayout):
             fresh_v[:, :, :plen] = torch.cat([s.values[layer] for s in path] + [values[layer]], dim=1).to(fresh_v)
             self.k[layer] = torch.cat([self.k[layer], fresh_k])
             self.v[layer] = torch.cat([self.v[layer], fresh_v])
-        self._append_group(rows, plen, plen, None)  # every row holds its own copy of the whole prompt
+        self._insert_group(len(self.group_sizes), rows, plen, plen, None)  # every row copies its whole prompt
+        return first_row
 
     def keep_rows(self, keep: Sequence[bool]) -> None:
         row_index, _ = self._regroup(keep)

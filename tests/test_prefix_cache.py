@@ -238,3 +238,34 @@ def test_draft_proposals_are_unchanged_by_its_cache(checkpoints):
             assert tokens_on == tokens_off
             for p_off, p_on in zip(dists_off, dists_on, strict=True):
                 torch.testing.assert_close(p_on, p_off)
+
+
+def test_groups_sharing_a_cached_prefix_are_placed_next_to_each_other(checkpoints):
+    """Requests with two system prompts arrive interleaved (S1, S2, S1): the second S1 group's rows go
+    right after the first's, so each cached span is read by one contiguous run of rows (one context read
+    per span and layer), and every group still decodes as HF generate does."""
+    runtime = TargetRuntime(load_checkpoint(checkpoints["llama"]), prefix_cache_bytes=1 << 24,
+                            prefix_block_tokens=BLOCK)
+    first, second = SYSTEM[:8], [50 + i for i in range(8)]  # two system prompts of two blocks each
+    prompts = [first + [60, 61], second + [70], first + [80, 81, 82]]
+    out: dict[int, list[int]] = {}
+    for g, prompt in enumerate(prompts):
+        done = runtime.prefill("b", [GroupInput(g, prompt, [10 * g, 10 * g + 1], SamplingParams(), 12)])
+        out.update({sid: [token] for sid, token in done.first_tokens.items()})
+    assert done.cached_tokens == {2: 8}
+    layout = runtime.batches["b"].kv
+    assert [s.group_id for s in runtime.batches["b"].sequences] == [0, 0, 2, 2, 1, 1]
+    assert [(len(span.tokens), lo, hi) for span, lo, hi in layout._cascade_plan().spans] == [(8, 0, 4), (8, 4, 6)]
+    for _ in range(8):
+        for verdict in runtime.verify("b", {sid: ([], []) for sid in out}):
+            out[verdict.sequence_id].append(verdict.next_token_id)
+    for g, prompt in enumerate(prompts):
+        expected = greedy(checkpoints["llama"], prompt, len(out[10 * g]), None)
+        assert out[10 * g] == expected and out[10 * g + 1] == expected, g
+    runtime.release("b", [20, 21])  # the middle group leaves: the others keep their rows and outputs
+    for verdict in runtime.verify("b", {sid: ([], []) for sid in (0, 1, 10, 11)}):
+        out[verdict.sequence_id].append(verdict.next_token_id)
+    for g in (0, 1):
+        assert out[10 * g] == greedy(checkpoints["llama"], prompts[g], len(out[10 * g]), None)
+    runtime.release("b")
+    assert runtime.stats()["prefix_cache_refs"] == 0
