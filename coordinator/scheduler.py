@@ -386,8 +386,7 @@ class Scheduler:
         proposals = [model_pb2.Proposal(sequence_id=sid) for sid in live]
         start = time.monotonic()
         skip_draft = draft is not None and k == 0  # a plain round: the draft hears of its tokens next time
-        drafted = draft is not None and not skip_draft
-        if drafted:
+        if draft is not None and not skip_draft:
             updates = [model_pb2.SequenceUpdate(sequence_id=sid, accepted_len=self._updates[sid][0],
                                                 next_token_id=self._updates[sid][1],
                                                 catch_up_token_ids=self._catch_up.pop(sid, []))
@@ -412,7 +411,7 @@ class Scheduler:
             return
         tokens_proposed, tokens_accepted = self._apply(proposals, verified.verdicts, k, skip_draft,
                                                        time.monotonic() - start, sampled)
-        self.metrics.round_done(len(live), tokens_proposed, tokens_accepted, drafted)
+        self.metrics.round_done(len(live), tokens_proposed, tokens_accepted, plain=k == 0)
         span.set_attributes({"specserve.draft_len": k, "specserve.tokens_proposed": tokens_proposed,
                              "specserve.tokens_accepted": tokens_accepted, "specserve.kv_bytes": verified.kv_bytes})
 
@@ -446,6 +445,7 @@ class Scheduler:
             if id(request) not in counted:
                 counted.add(id(request))
                 request.usage.rounds += 1
+                request.usage.plain_rounds += k == 0
             request.record(sample, sample.extend(tokens[: verdict.accepted_len] + [verdict.next_token_id]))
         for request in self._running:
             if request.finished:

@@ -30,8 +30,8 @@ class CoordinatorMetrics:
                               registry=r)
         self.rounds = Counter("specserve_rounds", "decode rounds of a batch (one target Verify each)", registry=r)
         self.plain_rounds = Counter("specserve_plain_rounds",
-                                    "rounds run without a draft Propose (the speculation gate chose a plain decode "
-                                    "step, or no draft was reachable)", registry=r)
+                                    "rounds that verified no draft tokens (the speculation gate chose a plain "
+                                    "decode step, or no draft was reachable)", registry=r)
         self.proposed = Counter("specserve_draft_tokens_proposed", "draft tokens proposed to the target",
                                 registry=r)
         self.accepted = Counter("specserve_draft_tokens_accepted", "draft tokens the target accepted", registry=r)
@@ -73,11 +73,11 @@ class CoordinatorMetrics:
         """Make the queue-depth gauge read ``depth()`` at every scrape."""
         self.queue_depth.set_function(lambda: float(depth()))
 
-    def round_done(self, sequences: int, proposed: int, accepted: int, drafted: bool) -> None:
-        """Account one round: its batch size, whether it called the draft and the draft tokens
-        proposed/accepted in it."""
+    def round_done(self, sequences: int, proposed: int, accepted: int, plain: bool) -> None:
+        """Account one round: its batch size, the draft tokens proposed/accepted in it, and whether it was
+        ``plain`` (no draft tokens asked for, or the draft failed)."""
         self.rounds.inc()
-        if not drafted:
+        if plain:
             self.plain_rounds.inc()
         self.batch_sequences.observe(sequences)
         if proposed:

@@ -75,6 +75,8 @@ def test_model_service_metrics(served):
     # The sampled request's batch runs plain rounds (the speculation gate measures them): no Propose in those.
     plain = value(coordinator, "specserve_plain_rounds_total")
     assert 0 < plain < rounds
+    assert plain == sum(r.usage.plain_rounds for r in responses)
+    assert [r.usage.plain_rounds for r in responses][::2] == [0, 0]  # greedy batches: speculative rounds only
     for role, method, calls in (("draft", "Propose", rounds - plain), ("target", "Verify", rounds)):
         metrics = models[role]
         assert value(metrics, "specserve_model_calls_total", method=method, code="OK") == calls, role

@@ -43,7 +43,7 @@ class Completion(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "draft_tokens_proposed", "draft_tokens_accepted", "rounds", "draft_proposal_bytes", "cached_prompt_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "draft_tokens_proposed", "draft_tokens_accepted", "rounds", "draft_proposal_bytes", "cached_prompt_tokens", "plain_rounds")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class Usage(_message.Message):
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROPOSAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     draft_tokens_proposed: int
@@ -58,7 +59,8 @@ class Usage(_message.Message):
     rounds: int
     draft_proposal_bytes: int
     cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_proposal_bytes: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    plain_rounds: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_proposal_bytes: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., plain_rounds: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_wait_s", "time_to_first_token_s", "inter_token_latency_s", "total_s")
