@@ -107,6 +107,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def Generate(self, request: coordinator_pb2.GenerateRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> coordinator_pb2.GenerateResponse:
+        """All ``n`` completions of the request with their usage and timing, once the last one finishes;
+        INVALID_ARGUMENT for bad requests, RESOURCE_EXHAUSTED (with a retry-after) when every queue is full."""
         call = self._begin(request, context, stream=False)
         error: BaseException | None = None
         try:
@@ -129,6 +131,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def GenerateStream(self, request: coordinator_pb2.GenerateRequest,  # noqa: N802
                              context: grpc.aio.ServicerContext) -> AsyncIterator[coordinator_pb2.GenerateChunk]:
+        """The request's tokens as they are accepted, per sample; the last message carries usage and timing;
+        errors as ``Generate``; cancelling the stream releases the request's sequences."""
         call = self._begin(request, context, stream=True)
         error: BaseException | None = None
         try:

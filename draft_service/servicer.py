@@ -19,6 +19,8 @@ class DraftServicer(ModelServicer, model_pb2_grpc.DraftModelServicer):
     @grpc_errors
     def Propose(self, request: model_pb2.ProposeRequest, context: grpc.ServicerContext  # noqa: N802
                 ) -> model_pb2.ProposeResponse:
+        """Apply last round's verdicts and propose up to ``draft_len`` tokens per live sequence (see
+        ``DraftRuntime.propose``); INVALID_ARGUMENT for bad updates, NOT_FOUND for an unknown batch."""
         runtime: DraftRuntime = self._ready(context)
         updates = {u.sequence_id: (u.accepted_len, u.next_token_id, list(u.catch_up_token_ids))
                    for u in request.updates}

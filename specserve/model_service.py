@@ -81,6 +81,8 @@ class ModelServicer:
 
     @grpc_errors
     def Info(self, request: model_pb2.InfoRequest, context: grpc.ServicerContext) -> model_pb2.ModelInfo:  # noqa: N802
+        """The loaded model's identity: name, architecture, vocabulary (with its fingerprint), EOS ids,
+        context length and tokenizer; UNAVAILABLE while the model loads."""
         runtime: ModelRuntime = self._ready(context)
         ckpt = runtime.checkpoint
         return model_pb2.ModelInfo(
@@ -94,6 +96,8 @@ class ModelServicer:
     @grpc_errors
     def Prefill(self, request: model_pb2.PrefillRequest, context: grpc.ServicerContext  # noqa: N802
                 ) -> model_pb2.PrefillResponse:
+        """Prefill the request's groups into its batch (see ``ModelRuntime.prefill``): INVALID_ARGUMENT for
+        bad groups, RESOURCE_EXHAUSTED past the KV budget, with the batch left unchanged either way."""
         runtime: ModelRuntime = self._ready(context)
         attributes = {**self.model_attributes, "specserve.batch_id": request.batch_id,
                       "specserve.groups": len(request.groups),
@@ -114,12 +118,14 @@ class ModelServicer:
     @grpc_errors
     def Stats(self, request: model_pb2.StatsRequest, context: grpc.ServicerContext  # noqa: N802
               ) -> model_pb2.ModelStats:
+        """The runtime's current counters: batches, sequences, KV bytes, prefix cache."""
         runtime: ModelRuntime = self._ready(context)
         return model_pb2.ModelStats(**runtime.stats())
 
     @grpc_errors
     def Release(self, request: model_pb2.ReleaseRequest, context: grpc.ServicerContext  # noqa: N802
                 ) -> model_pb2.ReleaseResponse:
+        """Drop the listed sequences of a batch (none listed: the whole batch) and free their KV."""
         runtime: ModelRuntime = self._ready(context)
         released = self.on_compute_thread(runtime.release, request.batch_id, list(request.sequence_ids))
         return model_pb2.ReleaseResponse(released_sequences=released)

@@ -27,6 +27,8 @@ class TargetServicer(ModelServicer, model_pb2_grpc.TargetModelServicer):
     @grpc_errors
     def Verify(self, request: model_pb2.VerifyRequest, context: grpc.ServicerContext  # noqa: N802
                ) -> model_pb2.VerifyResponse:
+        """Verify every live sequence's proposal in one forward pass (see ``TargetRuntime.verify``): greedy
+        exact, sampled lossless; INVALID_ARGUMENT for bad proposals, NOT_FOUND for an unknown batch."""
         runtime: TargetRuntime = self._ready(context)
         proposals = {
             p.sequence_id: (list(p.token_ids), [distribution_from_proto(d) for d in p.distributions])

@@ -63,6 +63,7 @@ DRAFT_ARCH = dict(
 
 
 def log(msg: str) -> None:
+    """Print ``msg`` with a wall-clock time stamp, flushed at once."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
@@ -72,6 +73,7 @@ def log(msg: str) -> None:
 
 
 def is_heldout(relpath: str) -> bool:
+    """Whether the stdlib file ``relpath`` is in the held-out split (a fixed hash of its path: stable across runs)."""
     return int(hashlib.sha1(relpath.encode("utf-8")).hexdigest(), 16) % HOLDOUT_MOD == 0
 
 
@@ -102,6 +104,7 @@ def collect_corpus(stdlib: Path) -> tuple[list[tuple[str, str]], list[tuple[str,
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer of ``vocab_size`` ids trained on ``texts`` (deterministic for the same texts)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -144,6 +147,7 @@ def save_tokenizer(tok, d: Path) -> None:
 
 
 def encode(tok, text: str) -> list[int]:
+    """The token ids of ``text`` without special tokens."""
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
@@ -153,6 +157,7 @@ def encode(tok, text: str) -> list[int]:
 
 
 def make_config(arch: dict, tok):
+    """The ``LlamaConfig`` of ``arch`` (hidden, layers, heads, ...) over the vocabulary of ``tok``."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -174,6 +179,7 @@ def make_config(arch: dict, tok):
 
 
 def make_model(arch: dict, tok, seed: int):
+    """A freshly initialised ``LlamaForCausalLM`` of ``arch`` (seeded), generating with ``tok``'s BOS/EOS."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -186,6 +192,7 @@ def make_model(arch: dict, tok, seed: int):
 
 
 def param_counts(model) -> dict:
+    """Parameter counts of ``model``: total, embedding and the rest."""
     total = sum(p.numel() for p in model.parameters())
     emb = model.model.embed_tokens.weight.numel()
     return {"total": total, "embedding": emb, "non_embedding": total - emb}
@@ -210,6 +217,7 @@ def flops_per_token(cfg, ctx: int = 256) -> dict:
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int, min_ratio: float = 0.1) -> float:
+    """Learning rate at ``step``: linear warm-up to ``peak``, then cosine decay to ``min_ratio`` × ``peak``."""
     if step < warmup:
         return peak * (step + 1) / warmup
     prog = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -325,6 +333,7 @@ def train_model(
 
 @torch.no_grad()
 def heldout_loss(model, data: torch.Tensor, seq_len: int, max_windows: int, batch: int = 16) -> dict:
+    """Mean next-token loss (and perplexity) of ``model`` on up to ``max_windows`` windows of ``data``."""
     nwin = min(max_windows, (data.numel() - 1) // seq_len)
     tot, cnt = 0.0, 0
     for b0 in range(0, nwin, batch):
@@ -377,6 +386,7 @@ def make_prompts(tok, held: list[tuple[str, str]], n: int, min_tok: int = 64, ma
 
 @torch.no_grad()
 def greedy(model, ids: list[int], n_new: int) -> list[int]:
+    """Exactly ``n_new`` greedy tokens of ``model`` after ``ids`` (HF ``generate``)."""
     x = torch.tensor([ids])
     out = model.generate(
         input_ids=x,
@@ -459,10 +469,12 @@ def latency(model, batch: int = 8, ctx: int = 128, reps: int = 20) -> dict:
 
 
 def dir_size(p: Path) -> int:
+    """Total bytes of the files under ``p``."""
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
 def cpu_name() -> str:
+    """The CPU model name from ``lscpu``, else the platform's processor name, else "unknown"."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
         for line in out.splitlines():
@@ -479,6 +491,7 @@ def cpu_name() -> str:
 
 
 def main(argv=None) -> int:
+    """Train and save the tiny pair with the options in ``argv``; returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="models/tiny")
     ap.add_argument("--seed", type=int, default=0)
