@@ -201,6 +201,33 @@ def test_prefix_cache_over_grpc_hits_stays_exact_and_unpins_on_cancel(checkpoint
         assert all(stats(running.servers[r]).prefix_cache_refs == 0 for r in ("draft", "target"))
 
 
+def test_interleaved_system_prompts_through_the_services_stay_exact(checkpoints, tmp_path):
+    """Requests with two system prompts join one running batch interleaved (S1, S2, S1): both services put
+    the second S1 group next to the first (a row order the coordinator never sees, everything is keyed by
+    sequence id), and every request gets HF-greedy output."""
+    first, second = list(range(40, 72)), list(range(100, 132))  # two 32-token system prompts
+    prompts = [first + [5, 6, 7], second + [8], first + [9, 10]]
+
+    def request(prompt: list[int], max_new: int) -> coordinator_pb2.GenerateRequest:
+        return coordinator_pb2.GenerateRequest(prompt_token_ids=prompt, n=2, max_new_tokens=max_new, ignore_eos=True)
+
+    with Deployment(str(checkpoints["llama"]), str(checkpoints["llama_draft"]), log_dir=tmp_path) as running:
+        stub = coordinator_stub(running.coordinator_address)
+        stream = stub.GenerateStream(request(prompts[0], 200), timeout=300)
+        chunks = [next(stream)]  # the S1 request is running
+        joined = [stub.Generate.future(request(prompt, 12), timeout=300) for prompt in prompts[1:]]
+        responses = [future.result() for future in joined]
+        assert stats(running.servers["target"]).sequences == 2  # the S1 stream ran alongside them throughout
+        chunks += list(stream)
+    streamed: dict[int, list[int]] = {}
+    for chunk in chunks:
+        streamed.setdefault(chunk.index, []).extend(chunk.token_ids)
+    assert streamed == dict.fromkeys((0, 1), greedy(checkpoints["llama"], prompts[0], 200, None))
+    for prompt, response in zip(prompts[1:], responses, strict=True):
+        assert [list(c.token_ids) for c in response.completions] == [greedy(checkpoints["llama"], prompt, 12, None)] * 2
+    assert [r.usage.cached_prompt_tokens for r in responses] == [0, 32]
+
+
 @pytest.fixture(scope="module")
 def slow_model(tmp_path_factory):
     """A synthetic Llama (hidden 512, 4 layers) whose 4K-token prefill takes seconds on a CPU."""
