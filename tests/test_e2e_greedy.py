@@ -119,9 +119,10 @@ def test_stop_string_truncates(deployments):
 
 
 def test_plain_rounds_between_speculative_ones(deployments, checkpoints):
-    """With a probe every 2nd round, plain decode rounds (no draft call) alternate with speculative ones: the
-    draft catches up on the plain rounds' tokens, so a draft that is the target itself still has nearly
-    everything it proposes accepted, and the output is still HF's."""
+    """With the gate on and probes from every 2nd round (backing off while they confirm speculation), plain
+    decode rounds (no draft call) run between speculative ones: the draft catches up on the plain rounds'
+    tokens, so a draft that is the target itself still has nearly everything it proposes accepted, and the
+    output is still HF's."""
     deployment = deployments("llama", "llama", "--speculation-gate", "--speculation-probe-every", "2")
     stub = coordinator_stub(deployment.coordinator_address)
     jobs = [(prompt, (1, 3)[i % 2]) for i, prompt in enumerate(prompts())]
@@ -138,9 +139,11 @@ def test_plain_rounds_between_speculative_ones(deployments, checkpoints):
         expected = greedy(checkpoints["llama"], prompt, MAX_NEW, None)
         assert all(list(c.token_ids) == expected for c in response.completions)
         usage = response.usage
-        # speculation alone needs 9 rounds for 64 tokens (k = 4, 5, ..., 8 all accepted): plain rounds ran too
-        assert usage.rounds >= 12
         assert usage.draft_tokens_accepted >= 0.9 * usage.draft_tokens_proposed > 0
+        assert usage.rounds > usage.plain_rounds
+    # the batch's second round is plain (the gate measures both kinds early), and so are its probes; how many
+    # fall within each request depends on when it joined and on the measured speeds
+    assert sum(r.usage.plain_rounds for r in responses) >= 1
 
 
 def test_each_batch_starts_at_the_initial_draft_length(deployments):
