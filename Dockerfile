@@ -33,9 +33,12 @@ COPY pyproject.toml README.md ./
 COPY specserve ./specserve
 COPY engine ./engine
 COPY kernels ./kernels
+COPY serving ./serving
 COPY draft_service ./draft_service
 COPY target_service ./target_service
 COPY coordinator ./coordinator
+COPY deployment ./deployment
+COPY bench ./bench
 RUN pip install . \
  && python -c "import torch, grpc_health, specserve.cli; print('torch', torch.__version__)"
 

@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specserve.grpc_server import CHANNEL_OPTIONS
-from specserve.tls import TLSFiles
+from serving.grpc_server import CHANNEL_OPTIONS
+from serving.tls import TLSFiles
 from specserve.v1 import model_pb2, model_pb2_grpc
 
 SERVICE_OF_ROLE = {"draft": "specserve.v1.DraftModel", "target": "specserve.v1.TargetModel"}

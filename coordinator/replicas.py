@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from coordinator.discovery import Discovery
 from coordinator.model_clients import ModelEndpoint, connect
-from specserve.tls import TLSFiles
+from serving.tls import TLSFiles
 
 log = logging.getLogger(__name__)
 

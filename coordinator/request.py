@@ -13,7 +13,7 @@ import grpc
 from coordinator.completion import Delta, SampleOutput
 from coordinator.text import TextCodec
 from coordinator.validation import GenerationSpec
-from specserve import telemetry
+from serving import telemetry
 from specserve.v1 import coordinator_pb2
 
 

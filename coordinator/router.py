@@ -24,7 +24,7 @@ from coordinator.request import Request, new_samples
 from coordinator.scheduler import QueueFull, Scheduler, SchedulerConfig
 from coordinator.text import TextCodec
 from coordinator.validation import GenerationSpec
-from specserve.metrics import CoordinatorMetrics
+from serving.metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
 

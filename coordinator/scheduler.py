@@ -27,9 +27,9 @@ from coordinator.draft_length import DraftLength
 from coordinator.model_clients import ModelEndpoint
 from coordinator.replicas import ReplicaPool
 from coordinator.request import Request
-from specserve import telemetry
-from specserve.metrics import CoordinatorMetrics
-from specserve.model_service import sampling_to_proto
+from serving import telemetry
+from serving.metrics import CoordinatorMetrics
+from serving.model_service import sampling_to_proto
 from specserve.v1 import model_pb2
 
 log = logging.getLogger(__name__)

@@ -20,10 +20,10 @@ from coordinator.router import Router
 from coordinator.scheduler import SchedulerConfig
 from coordinator.servicer import SERVICE_NAME, CoordinatorServicer
 from coordinator.speculation_gate import SpeculationGate
-from specserve import telemetry
-from specserve.grpc_server import CHANNEL_OPTIONS, bind
-from specserve.metrics import CoordinatorMetrics, start_metrics_server
-from specserve.tls import TLSFiles
+from serving import telemetry
+from serving.grpc_server import CHANNEL_OPTIONS, bind
+from serving.metrics import CoordinatorMetrics, start_metrics_server
+from serving.tls import TLSFiles
 from specserve.v1 import coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ SHUTDOWN_GRACE_S = 5.0
 async def serve_coordinator(args: argparse.Namespace) -> int:
     """Connect to the target (and draft) replicas, then serve Coordinator, health and reflection.
 
-    Tracing follows the ``OTEL_*`` environment (see specserve.telemetry); Prometheus metrics are served
+    Tracing follows the ``OTEL_*`` environment (see serving.telemetry); Prometheus metrics are served
     on ``--metrics-port`` when it is non-zero.
     """
     telemetry.setup_tracing("coordinator")

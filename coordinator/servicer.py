@@ -14,7 +14,7 @@ from coordinator.request import Request
 from coordinator.router import Router
 from coordinator.scheduler import QueueFull
 from coordinator.validation import InvalidRequest, Limits, validate_request
-from specserve import telemetry
+from serving import telemetry
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 SERVICE_NAME = "specserve.v1.Coordinator"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 
 from engine.draft import DraftRuntime
-from specserve import telemetry
-from specserve.grpc_server import grpc_errors
-from specserve.model_service import ModelServicer
+from serving import telemetry
+from serving.grpc_server import grpc_errors
+from serving.model_service import ModelServicer
 from specserve.v1 import model_pb2, model_pb2_grpc
 
 SERVICE_NAME = "specserve.v1.DraftModel"

@@ -11,7 +11,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("specserve.serve", "run a draft, target or coordinator gRPC server"),
     "generate": ("specserve.generate", "ask a coordinator for n completions of a prompt"),
     "demo": ("specserve.demo", "start the three services on loopback and run a multi-sample generation"),
-    "bench": ("specserve.bench", "benchmarks: attention, decode, e2e, load, prefix"),
+    "bench": ("bench", "benchmarks: attention, decode, e2e, load, prefix"),
     "trace": ("specserve.trace", "trace one request through the services and draw where the time goes"),
 }
 

@@ -8,26 +8,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from deployment.arguments import add_workload_arguments, resolve_model_pair
+from deployment.processes import Deployment
+from serving.grpc_server import open_channel
+from serving.tls import TLSFiles
 from specserve.generate import print_response
-from specserve.grpc_server import open_channel
-from specserve.model_pair import add_model_pair_arguments, resolve_model_pair
-from specserve.processes import Deployment
-from specserve.tls import TLSFiles
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
-
-DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
-
-
-def add_workload_arguments(parser: argparse.ArgumentParser, max_new_tokens: int = 64, temperature: float = 0.8,
-                           top_p: float = 0.95, seed: int = 1, optional_draft: bool = False) -> None:
-    """The demo workload's flags (models, prompt, n, length, sampling), shared by demo, trace and benchmarks."""
-    add_model_pair_arguments(parser, optional_draft=optional_draft)
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("-n", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    parser.add_argument("--temperature", type=float, default=temperature)
-    parser.add_argument("--top-p", type=float, default=top_p)
-    parser.add_argument("--seed", type=int, default=seed)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

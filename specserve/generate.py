@@ -8,9 +8,9 @@ import sys
 
 import grpc
 
-from specserve import telemetry
-from specserve.grpc_server import open_channel
-from specserve.tls import TLSFiles
+from serving import telemetry
+from serving.grpc_server import open_channel
+from serving.tls import TLSFiles
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 

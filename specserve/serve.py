@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
 
         return asyncio.run(serve_coordinator(args))
     from engine.default_models import DefaultModelError, default_model
-    from specserve.model_service import serve_model
+    from serving.model_service import serve_model
 
     if args.model is None:
         try:

@@ -20,13 +20,12 @@ from typing import Any
 
 import grpc
 
-from specserve.demo import add_workload_arguments
+from deployment.arguments import add_workload_arguments, resolve_model_pair
+from deployment.otlp_receiver import OtlpReceiver, ReceivedSpan
+from deployment.processes import Deployment
+from serving.grpc_server import open_channel
+from serving.tls import TLSFiles
 from specserve.generate import print_response
-from specserve.grpc_server import open_channel
-from specserve.model_pair import resolve_model_pair
-from specserve.otlp_receiver import OtlpReceiver, ReceivedSpan
-from specserve.processes import Deployment
-from specserve.tls import TLSFiles
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 CLIENT_SERVICE = "specserve-client"

@@ -7,7 +7,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from specserve.otlp_receiver import ReceivedSpan
+from deployment.otlp_receiver import ReceivedSpan
 
 # Bar colours by span name (prefix match); anything else is grey.
 COLOURS = [

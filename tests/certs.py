@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from specserve.tls import TLSFiles
+from serving.tls import TLSFiles
 
 
 def _openssl(*args: str, cwd: Path) -> None:

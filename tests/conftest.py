@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import FIXED_K, build_checkpoint, restrict_vocabulary, train_tokenizer  # noqa: E402
 
-from specserve.processes import Deployment, ServerProcess, free_port  # noqa: E402
+from deployment.processes import Deployment, ServerProcess, free_port  # noqa: E402
 from specserve.v1 import coordinator_pb2_grpc  # noqa: E402
 
 

@@ -11,7 +11,7 @@ from conftest import coordinator_stub
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from specserve.processes import free_port
+from deployment.processes import free_port
 from specserve.v1 import coordinator_pb2
 
 R = coordinator_pb2.GenerateRequest
@@ -64,7 +64,7 @@ def test_health_and_reflection_on_every_server(deployments):
 
 
 def test_coordinator_refuses_a_draft_with_another_tokenizer(checkpoints, tmp_path):
-    from specserve.processes import ServerProcess
+    from deployment.processes import ServerProcess
 
     servers = [ServerProcess("target", free_port(), ["--model", str(checkpoints["llama"])]),
                ServerProcess("draft", free_port(), ["--model", str(checkpoints["mismatched_draft"])])]

@@ -7,8 +7,8 @@ import json
 
 from hf_oracle import greedy
 
-from specserve.bench.e2e import SYSTEMS
-from specserve.bench.prompts import code_prompts, is_heldout, training_script
+from bench.e2e import SYSTEMS
+from bench.prompts import code_prompts, is_heldout, training_script
 from specserve.cli import main
 
 

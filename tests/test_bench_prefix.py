@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
+from bench.prefix import PromptSet
+from bench.synthetic import LlamaShape, save_synthetic_llama
 from engine.checkpoint import load_checkpoint
 from engine.prefix_cache import block_hashes
-from specserve.bench.prefix import PromptSet
-from specserve.bench.synthetic import LlamaShape, save_synthetic_llama
 from specserve.cli import main
 
 

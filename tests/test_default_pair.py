@@ -14,6 +14,7 @@ import torch
 from hf_oracle import greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from deployment.processes import Deployment
 from engine.batch import GroupInput
 from engine.checkpoint import load_checkpoint
 from engine.default_models import (
@@ -28,7 +29,6 @@ from engine.default_models import (
 from engine.gguf_convert import SOURCE_FILE, convert_gguf, is_converted
 from engine.sampling import SamplingParams
 from engine.target import TargetRuntime
-from specserve.processes import Deployment
 from specserve.v1 import coordinator_pb2
 
 PROMPTS = [

@@ -26,8 +26,8 @@ from engine.draft import DraftRuntime
 from engine.graphs import bucket_width, bucketed_step, graphs_supported, pad_width
 from engine.target import TargetRuntime
 from kernels import backend_for_device
+from serving.model_service import runtime_options
 from specserve.cli import build_parser, main
-from specserve.model_service import runtime_options
 from specserve.v1 import coordinator_pb2
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")

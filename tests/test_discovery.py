@@ -19,7 +19,7 @@ from prometheus_scrape import scrape, value
 
 from coordinator.discovery import DNSDiscovery, KubernetesDiscovery, StaticDiscovery, parse_endpoint_spec
 from coordinator.prefix_affinity import PrefixAffinity
-from specserve.processes import free_port
+from deployment.processes import free_port
 from specserve.v1 import coordinator_pb2, model_pb2, model_pb2_grpc
 
 

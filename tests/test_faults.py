@@ -15,12 +15,12 @@ from hf_oracle import greedy
 from prometheus_scrape import scrape, value
 from tiny_models import FIXED_K
 
+from bench.synthetic import LlamaShape, save_synthetic_llama
+from deployment.processes import Deployment, ServerProcess, free_port
 from engine.batch import GroupInput
 from engine.checkpoint import load_checkpoint
 from engine.sampling import SamplingParams
 from engine.target import TargetRuntime
-from specserve.bench.synthetic import LlamaShape, save_synthetic_llama
-from specserve.processes import Deployment, ServerProcess, free_port
 from specserve.v1 import coordinator_pb2, model_pb2, model_pb2_grpc
 
 PROMPT = [7, 21, 9, 30, 11]

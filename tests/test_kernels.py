@@ -316,7 +316,7 @@ def test_bench_attention_and_decode_smoke(tmp_path, capsys) -> None:
     import argparse
     import json
 
-    from specserve.bench import attention, decode
+    from bench import attention, decode
 
     parser = argparse.ArgumentParser()
     attention.add_arguments(parser)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from conftest import coordinator_stub
 
-from specserve.bench.load import request_mix, run_load
+from bench.load import request_mix, run_load
 
 
 def test_32_concurrent_clients_match_requests_run_alone(deployments):

@@ -10,7 +10,7 @@ from conftest import coordinator_stub
 from prometheus_scrape import scrape, value
 from tiny_models import FIXED_K
 
-from specserve.processes import Deployment
+from deployment.processes import Deployment
 from specserve.v1 import coordinator_pb2
 
 

@@ -7,8 +7,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service.servicer import SERVICE_NAME, DraftServicer, add_to_server
-from specserve.grpc_server import create_server, set_serving
-from specserve.tls import TLSFiles
+from serving.grpc_server import create_server, set_serving
+from serving.tls import TLSFiles
 from specserve.v1 import model_pb2, model_pb2_grpc
 
 

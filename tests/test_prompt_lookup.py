@@ -9,13 +9,13 @@ import pytest
 from hf_oracle import greedy
 
 import engine.draft
+from bench.speculative import engine_bass
 from coordinator.draft_length import DraftLength
 from engine.checkpoint import load_checkpoint
 from engine.draft import DraftRuntime
 from engine.prompt_lookup import LookupScore, PromptLookup, PromptNgrams
 from engine.sampling import SamplingParams
 from engine.target import TargetRuntime
-from specserve.bench.speculative import engine_bass
 
 
 def brute_force(context: list[int], count: int, min_n: int, max_n: int) -> list[int]:

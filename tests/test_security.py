@@ -9,9 +9,9 @@ from conftest import coordinator_stub
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiny_models import FIXED_K
 
-from specserve.grpc_server import open_channel
-from specserve.processes import Deployment
-from specserve.tls import TLSFiles
+from deployment.processes import Deployment
+from serving.grpc_server import open_channel
+from serving.tls import TLSFiles
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 REQUEST = coordinator_pb2.GenerateRequest(prompt_token_ids=[5, 6, 7], n=2, max_new_tokens=8, ignore_eos=True)

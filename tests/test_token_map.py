@@ -13,12 +13,12 @@ import torch
 from hf_oracle import greedy
 from transformers import AutoModelForCausalLM
 
+from bench.speculative import hf_assistant, hf_assisted
 from engine.batch import GroupInput
 from engine.checkpoint import CheckpointError, load_checkpoint
 from engine.draft import DraftRuntime
 from engine.sampling import SamplingParams
 from engine.token_map import CATCH_ALL, TOKEN_MAP_FILE, TokenMap, TokenMapError
-from specserve.bench.speculative import hf_assistant, hf_assisted
 
 SUBSET = list(range(288))  # conftest's llama_subset: of the tiny tokenizer's 384 ids, specials, bytes, first merges
 PROMPTS = {0: [5, 9, 140, 3, 301, 21, 8, 8, 350], 1: [40, 41]}  # 301 and 350 are outside the subset

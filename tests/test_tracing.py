@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from conftest import coordinator_stub
 
-from specserve import telemetry
-from specserve.otlp_receiver import OtlpReceiver
-from specserve.processes import Deployment
+from deployment.otlp_receiver import OtlpReceiver
+from deployment.processes import Deployment
+from serving import telemetry
 from specserve.trace import TRACE_ENV, collect, traced_generate
 from specserve.v1 import coordinator_pb2
 from specserve.waterfall import render_html, render_png

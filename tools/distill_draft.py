@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_default_models as corpus_rules  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from bench.speculative import RunStats, engine_bass  # noqa: E402
 from coordinator.draft_length import DraftLength  # noqa: E402
 from engine.checkpoint import load_checkpoint  # noqa: E402
 from engine.default_models import default_target  # noqa: E402
@@ -55,7 +56,6 @@ from engine.prompt_lookup import DEFAULT_NGRAM_SIZES, LookupScore, PromptLookup,
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.target import TargetRuntime  # noqa: E402
 from engine.token_map import CATCH_ALL, TokenMap, load_token_map  # noqa: E402
-from specserve.bench.speculative import RunStats, engine_bass  # noqa: E402
 
 # the tiny pair's corpus helpers, shared: progress lines, token ids without special tokens, LR schedule
 log, encode, lr_at = corpus_rules.log, corpus_rules.encode, corpus_rules.lr_at

@@ -15,8 +15,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specserve.grpc_server import open_channel
-from specserve.tls import TLSFiles
+from serving.grpc_server import open_channel
+from serving.tls import TLSFiles
 
 SERVICE_OF_ROLE = {
     "draft": "specserve.v1.DraftModel",

@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from specserve.bench.timing import expanded_baseline, format_bytes, host_info, kernel_setup, time_interleaved
+from bench.timing import expanded_baseline, format_bytes, host_info, kernel_setup, time_interleaved
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

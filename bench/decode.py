@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.bench.timing import expanded_baseline, format_bytes, host_info, kernel_setup, time_interleaved
+from bench.timing import expanded_baseline, format_bytes, host_info, kernel_setup, time_interleaved
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -162,7 +162,7 @@ class ExpandedCache:
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     base: torch.Tensor  # [B] = L + decode tokens before the new one
-    attention: Callable[..., torch.Tensor]  # specserve.bench.timing.expanded_baseline
+    attention: Callable[..., torch.Tensor]  # bench.timing.expanded_baseline
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write the new k/v at slot ``base`` of each row, then SDPA over the row's whole cache."""

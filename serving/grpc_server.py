@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidInput, KVBudgetExceeded, ModelLoading, UnknownBatch
-from specserve.tls import TLSFiles
+from serving.tls import TLSFiles
 
 log = logging.getLogger(__name__)
 

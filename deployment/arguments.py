@@ -1,5 +1,6 @@
-"""The ``--target-model`` / ``--draft-model`` flags of every command that starts a deployment, and their
-defaults: the real pretrained pair of ``engine.default_models`` (the target converted on first use)."""
+"""The flags of every command that starts a local deployment: ``--target-model`` / ``--draft-model`` and their
+defaults (the real pretrained pair of ``engine.default_models``, the target converted on first use), and the
+demo workload (prompt, n, length, sampling) shared by demo, trace and the benchmarks."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import argparse
 from pathlib import Path
 
 from engine.default_models import DefaultModelError, default_model
+
+DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
 def add_model_pair_arguments(parser: argparse.ArgumentParser, optional_draft: bool = False) -> None:
@@ -33,3 +36,15 @@ def resolve_model_pair(args: argparse.Namespace) -> None:
         path = getattr(args, attr)
         if path and not (Path(path) / "config.json").is_file():
             raise SystemExit(f"no model at {path}: pass --target-model/--draft-model (local HF checkpoints)")
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, max_new_tokens: int = 64, temperature: float = 0.8,
+                           top_p: float = 0.95, seed: int = 1, optional_draft: bool = False) -> None:
+    """The demo workload's flags (models, prompt, n, length, sampling), shared by demo, trace and benchmarks."""
+    add_model_pair_arguments(parser, optional_draft=optional_draft)
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("-n", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=temperature)
+    parser.add_argument("--top-p", type=float, default=top_p)
+    parser.add_argument("--seed", type=int, default=seed)

@@ -21,10 +21,10 @@ from engine.graphs import graphs_supported
 from engine.runtime import ModelRuntime, Prefilled
 from engine.sampling import SamplingParams
 from kernels import backend_for_device
-from specserve import telemetry
-from specserve.grpc_server import CallerGone, create_server, grpc_errors, set_serving
-from specserve.metrics import CallMetricsInterceptor, ModelMetrics, start_metrics_server
-from specserve.tls import TLSFiles
+from serving import telemetry
+from serving.grpc_server import CallerGone, create_server, grpc_errors, set_serving
+from serving.metrics import CallMetricsInterceptor, ModelMetrics, start_metrics_server
+from serving.tls import TLSFiles
 from specserve.v1 import model_pb2
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ def serve_model(servicer: ModelServicer, add_to_server: Callable[[Any, grpc.Serv
                 runtime_factory: Callable[..., ModelRuntime], args: Any) -> int:
     """Bind the port, report NOT_SERVING while the model loads, then serve until terminated.
 
-    Tracing follows the ``OTEL_*`` environment (see specserve.telemetry); Prometheus metrics are served
+    Tracing follows the ``OTEL_*`` environment (see serving.telemetry); Prometheus metrics are served
     on ``--metrics-port`` when it is non-zero. Flags that cannot run on this machine end the process with
     a one-line message before anything is bound.
     """

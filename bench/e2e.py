@@ -1,6 +1,6 @@
 """End-to-end generation benchmark: specserve side by side with the alternatives users would pick.
 
-On the same target/draft pair, held-out code prompts (``specserve.bench.prompts``) and sampling settings,
+On the same target/draft pair, held-out code prompts (``bench.prompts``) and sampling settings,
 in one run, for every n (samples per prompt) and temperature, it times:
 
 * ``a_batched``: specserve's engine, plain batched decoding on the target (the baseline);
@@ -44,17 +44,17 @@ from typing import Any
 
 import torch
 
+from bench.prompts import code_prompts
+from bench.speculative import RunStats, engine_bass, engine_batched, hf_assistant, hf_assisted, hf_generate
+from bench.timing import format_bytes, host_info, time_interleaved_samples
 from coordinator.draft_length import DraftLength
 from coordinator.speculation_gate import SpeculationGate
+from deployment.arguments import add_model_pair_arguments, resolve_model_pair
 from engine.checkpoint import AUTO_DTYPE, DTYPES, load_checkpoint
 from engine.device import resolve_device
 from engine.draft import DraftRuntime
 from engine.sampling import SamplingParams
 from engine.target import TargetRuntime
-from specserve.bench.prompts import code_prompts
-from specserve.bench.speculative import RunStats, engine_bass, engine_batched, hf_assistant, hf_assisted, hf_generate
-from specserve.bench.timing import format_bytes, host_info, time_interleaved_samples
-from specserve.model_pair import add_model_pair_arguments, resolve_model_pair
 
 SYSTEMS: dict[str, str] = {
     "a_batched": "(a) specserve batched decoding (target only)",
@@ -163,7 +163,7 @@ class Harness:
         target and coordinator, or target and coordinator alone."""
         import grpc
 
-        from specserve.processes import Deployment
+        from deployment.processes import Deployment
         from specserve.v1 import coordinator_pb2_grpc
 
         env = {"OMP_NUM_THREADS": str(self.args.threads)} if self.args.threads else None

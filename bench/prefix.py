@@ -17,7 +17,7 @@ drifts of the machine hit both alike. Per L and deployment:
 Usage's ``cached_prompt_tokens`` of every request is checked: a hit that was not served from the cache (or
 a miss that was) fails the benchmark; the share of requests whose greedy samples are identical with the
 cache on and off is reported. The model is by default a synthetic-weights Llama
-(``specserve.bench.synthetic``; random weights do not change the cost of a step); ``--model`` takes a
+(``bench.synthetic``; random weights do not change the cost of a step); ``--model`` takes a
 checkpoint instead. Prompts are held-out stdlib source in the default pair's tokenizer.
 """
 
@@ -31,13 +31,13 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from specserve.bench.load import Observation, run_load, stream_one
-from specserve.bench.prompts import heldout_files
-from specserve.bench.synthetic import LlamaShape, save_synthetic_llama
-from specserve.bench.timing import host_info
-from specserve.grpc_server import open_channel
-from specserve.processes import Deployment
-from specserve.tls import TLSFiles
+from bench.load import Observation, run_load, stream_one
+from bench.prompts import heldout_files
+from bench.synthetic import LlamaShape, save_synthetic_llama
+from bench.timing import host_info
+from deployment.processes import Deployment
+from serving.grpc_server import open_channel
+from serving.tls import TLSFiles
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 MODES = ("off", "on")

@@ -13,13 +13,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from specserve.bench.timing import host_info, time_interleaved_samples
-from specserve.demo import add_workload_arguments
-from specserve.grpc_server import open_channel
-from specserve.model_pair import resolve_model_pair
-from specserve.otlp_receiver import OtlpReceiver
-from specserve.processes import Deployment
-from specserve.tls import TLSFiles
+from bench.timing import host_info, time_interleaved_samples
+from deployment.arguments import add_workload_arguments, resolve_model_pair
+from deployment.otlp_receiver import OtlpReceiver
+from deployment.processes import Deployment
+from serving.grpc_server import open_channel
+from serving.tls import TLSFiles
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 

@@ -6,12 +6,12 @@ import argparse
 import importlib
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "attention": ("specserve.bench.attention", "one attention call: bifurcated vs standard"),
-    "decode": ("specserve.bench.decode", "one decode step of an MHA model at long context"),
-    "e2e": ("specserve.bench.e2e", "end-to-end generation: batched, HF generate/assisted, BASS, BASS over gRPC"),
-    "tracing": ("specserve.bench.tracing", "request latency with span export on vs off"),
-    "load": ("specserve.bench.load", "concurrent streaming clients against a live deployment"),
-    "prefix": ("specserve.bench.prefix", "requests sharing a long system prompt: prefix cache on vs off, TTFT"),
+    "attention": ("bench.attention", "one attention call: bifurcated vs standard"),
+    "decode": ("bench.decode", "one decode step of an MHA model at long context"),
+    "e2e": ("bench.e2e", "end-to-end generation: batched, HF generate/assisted, BASS, BASS over gRPC"),
+    "tracing": ("bench.tracing", "request latency with span export on vs off"),
+    "load": ("bench.load", "concurrent streaming clients against a live deployment"),
+    "prefix": ("bench.prefix", "requests sharing a long system prompt: prefix cache on vs off, TTFT"),
 }
 
 

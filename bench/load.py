@@ -16,11 +16,11 @@ from pathlib import Path
 
 import grpc
 
-from specserve.bench.timing import host_info
-from specserve.grpc_server import open_channel
-from specserve.model_pair import add_model_pair_arguments, resolve_model_pair
-from specserve.processes import Deployment
-from specserve.tls import TLSFiles
+from bench.timing import host_info
+from deployment.arguments import add_model_pair_arguments, resolve_model_pair
+from deployment.processes import Deployment
+from serving.grpc_server import open_channel
+from serving.tls import TLSFiles
 from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 PROMPTS = ["def merge_sorted(a, b):\n", "class LRUCache:\n    def __init__(self, capacity):\n",
