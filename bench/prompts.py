@@ -21,7 +21,7 @@ from types import ModuleType
 
 HOLDOUT_MOD = 20
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
-_TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "train_default_models.py"
+_TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "train_default_models.py"
 
 
 @dataclass(frozen=True)
