@@ -250,14 +250,6 @@ class PrefixCache:
         self.evicted_spans += 1
         return size
 
-    def evictable_bytes(self) -> int:
-        """Bytes that ``evict`` could free now: spans that no live group's path uses."""
-        pinned: set[PrefixSpan] = set()
-        for span in self._spans:
-            if span.refs:
-                pinned.update(span.path())
-        return sum(s.nbytes() for s in self._spans if s not in pinned)
-
     def stats(self) -> dict[str, int]:
         """Bytes held, spans, and the cumulative prompt tokens looked up and found cached."""
         return {"prefix_cache_bytes": self.bytes, "prefix_cache_spans": len(self._spans),

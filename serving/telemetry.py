@@ -125,15 +125,6 @@ def inject_metadata(span: Span | None = None, metadata: Iterable[tuple[str, str]
     return (*base, *carrier.items()) or None
 
 
-def traceparent_metadata(span_context: trace.SpanContext) -> tuple[tuple[str, str], ...]:
-    """Metadata carrying an explicit span context (works whether or not this process traces)."""
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-    carrier: dict[str, str] = {}
-    TraceContextTextMapPropagator().inject(carrier, trace.set_span_in_context(trace.NonRecordingSpan(span_context)))
-    return tuple(carrier.items())
-
-
 def extract_context(metadata: Iterable[Any] | None) -> Context:
     """The trace context a caller sent in its gRPC metadata (an empty context when it sent none)."""
     carrier = {str(item[0]).lower(): item[1] for item in metadata or () if isinstance(item[1], str)}
@@ -153,16 +144,6 @@ def server_span(name: str, grpc_context: Any, attributes: Mapping[str, Any] | No
     parent = extract_context(grpc_context.invocation_metadata())
     with tracer().start_as_current_span(name, context=parent, kind=SpanKind.SERVER,
                                         attributes={**GEN_AI_SYSTEM, **(attributes or {})}) as span:
-        yield span
-
-
-@contextlib.contextmanager
-def internal_span(name: str, attributes: Mapping[str, Any] | None = None) -> Iterator[Span]:
-    """A child span of the current one for the block; a non-recording span when tracing is off."""
-    if not _enabled:
-        yield trace.INVALID_SPAN
-        return
-    with tracer().start_as_current_span(name, attributes=attributes) as span:
         yield span
 
 
