@@ -21,9 +21,13 @@ Recipe (documented with its results in models/README.md):
    prompt lookup), the expected sampled acceptance sum_x min(p(x), q(x)) at T=0.8, and the calibration of the
    draft's top probability (what the draft service's confidence floor relies on).
 
-    # the shipped draft (see models/README.md)
-    .venv/bin/python tools/distill_draft.py --out models/smollm2-draft --gen-minutes 5 --train-minutes 42 \
+    # the shipped draft, two stages (see models/README.md; each stage makes its own continuation cache)
+    rm -f /tmp/specserve-distill-data.pt
+    .venv/bin/python tools/distill_draft.py --out /tmp/draft-stage1 --gen-minutes 5 --train-minutes 42 \
         --vocab-subset 7168 --target-layers 1 --lr 2e-3 --warmup 20
+    rm -f /tmp/specserve-distill-data.pt
+    .venv/bin/python tools/distill_draft.py --out models/smollm2-draft --init /tmp/draft-stage1 --gen-minutes 8 \
+        --train-minutes 55 --lr 1e-3 --warmup 20
     .venv/bin/python tools/distill_draft.py --out models/smollm2-draft --eval-only
     .venv/bin/python tools/distill_draft.py --out models/smollm2-draft --eval-only calibration
 """
