@@ -314,7 +314,7 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [p.token_ids for p in harness.prompts]
     result: dict[str, Any] = {
         "host": host_info(),
-        "config": {k: v for k, v in vars(args).items() if k != "bench_handler" and not callable(v)},
+        "config": {k: v for k, v in vars(args).items() if not callable(v)},
         "systems": {s: SYSTEMS[s] for s in systems},
         "models": {role: _fingerprint(path) for role, path in (("target", args.target_model),
                                                                  ("draft", args.draft_model))},

@@ -6,7 +6,8 @@ import argparse
 import importlib
 import sys
 
-# Sub-commands and the module that implements each; a module exposes add_arguments(parser) and run(args).
+# Sub-commands and the module that implements each; a module exposes add_arguments(parser) and run(args), or a
+# table SUBCOMMANDS of its own sub-commands in the same form (``bench``).
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("specserve.serve", "run a draft, target or coordinator gRPC server"),
     "generate": ("specserve.generate", "ask a coordinator for n completions of a prompt"),
@@ -16,15 +17,25 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def add_subcommands(parser: argparse.ArgumentParser, table: dict[str, tuple[str, str]], dest: str) -> None:
+    """One sub-parser per entry of ``table``, nested where a module has SUBCOMMANDS; the chosen leaf's run is
+    stored as ``handler``."""
+    sub = parser.add_subparsers(dest=dest, required=True)
+    for name, (module_name, help_text) in table.items():
+        module = importlib.import_module(module_name)
+        command_parser = sub.add_parser(name, help=help_text, description=module.__doc__)
+        nested = getattr(module, "SUBCOMMANDS", None)
+        if nested is not None:
+            add_subcommands(command_parser, nested, f"{name}_command")
+        else:
+            module.add_arguments(command_parser)
+            command_parser.set_defaults(handler=module.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser; tests parse deployment commands with it."""
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (module_name, help_text) in COMMANDS.items():
-        module = importlib.import_module(module_name)
-        command_parser = sub.add_parser(name, help=help_text, description=module.__doc__)
-        module.add_arguments(command_parser)
-        command_parser.set_defaults(handler=module.run)
+    add_subcommands(parser, COMMANDS, "command")
     return parser
 
 
