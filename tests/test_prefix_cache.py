@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 import torch
 from hf_oracle import greedy
@@ -83,6 +85,15 @@ def test_prefill_with_past_equals_a_full_prefill(checkpoints):
         torch.testing.assert_close(torch.cat([head_k[layer], tail_k[layer]], dim=1), keys[layer])
 
 
+def _decode(runtime: TargetRuntime, batch_id: str, sequence_ids: Iterable[int], out: dict[int, list[int]],
+            steps: int = 1) -> None:
+    """Run ``steps`` plain decode steps (no draft tokens) of the listed sequences, appending each one's next
+    token to ``out``."""
+    for _ in range(steps):
+        for verdict in runtime.verify(batch_id, {sid: ([], []) for sid in sequence_ids}):
+            out[verdict.sequence_id].append(verdict.next_token_id)
+
+
 def _requests() -> list[list[int]]:
     """Prompts in Hydragen's tree: a system prompt, two problems below it, samples below each, and the
     awkward cases (a prompt that is a prefix of a cached one; a whole-block prompt cached entirely)."""
@@ -103,11 +114,8 @@ def test_cached_prefixes_decode_exactly_as_hf_generate(checkpoints, model, atten
         done = runtime.prefill("b", [GroupInput(g, prompt, [10 * g, 10 * g + 1], SamplingParams(), 24)])
         out.update({sid: [token] for sid, token in done.first_tokens.items()})
         cached.update(done.cached_tokens)
-        for verdict in runtime.verify("b", {sid: ([], []) for sid in out}):
-            out[verdict.sequence_id].append(verdict.next_token_id)
-    for _ in range(8):
-        for verdict in runtime.verify("b", {sid: ([], []) for sid in out}):
-            out[verdict.sequence_id].append(verdict.next_token_id)
+        _decode(runtime, "b", out, out)
+    _decode(runtime, "b", out, out, steps=8)
     assert cached == {0: 0, 1: 12, 2: 16, 3: 8, 4: 11, 5: 11}  # 4, 5: wholly cached, the last position computed
     for g, prompt in enumerate(prompts):
         expected = greedy(checkpoints[model], prompt, len(out[10 * g]), None)
@@ -133,9 +141,7 @@ def test_a_repeated_whole_block_prompt_reuses_its_span_without_a_split(checkpoin
         out.update({sid: [token] for sid, token in done.first_tokens.items()})
         assert done.cached_tokens == {g: 11 * g}
         assert runtime.stats()["prefix_cache_spans"] == 1
-    for _ in range(6):
-        for verdict in runtime.verify("b", {sid: ([], []) for sid in out}):
-            out[verdict.sequence_id].append(verdict.next_token_id)
+    _decode(runtime, "b", out, out, steps=6)
     expected = greedy(checkpoints["llama"], prompt, 7, None)
     assert out == {0: expected, 1: expected}
     assert runtime.stats()["prefix_cache_hit_tokens"] == 12
@@ -153,9 +159,7 @@ def test_sampled_outputs_are_unchanged_by_the_cache(checkpoints):
         for g, prompt in enumerate(_requests()[:3]):
             done = runtime.prefill(f"b{g}", [GroupInput(g, prompt, [10 * g + i for i in range(4)], params, 16)])
             out.update({sid: [t] for sid, t in done.first_tokens.items()})
-            for _ in range(10):
-                for verdict in runtime.verify(f"b{g}", {sid: ([], []) for sid in done.first_tokens}):
-                    out[verdict.sequence_id].append(verdict.next_token_id)
+            _decode(runtime, f"b{g}", done.first_tokens, out, steps=10)
         outputs.append(out)
     assert outputs[0] == outputs[1]  # same seeds, same distributions: the same samples
 
@@ -176,8 +180,7 @@ def test_eviction_under_a_small_budget_while_requests_run(checkpoints):
         stats = runtime.stats()
         assert stats["kv_reserved_bytes"] + stats["prefix_cache_bytes"] <= runtime.kv_budget_bytes
         for batch_id, sids in live.items():
-            for verdict in runtime.verify(batch_id, {sid: ([], []) for sid in sids}):
-                out[verdict.sequence_id].append(verdict.next_token_id)
+            _decode(runtime, batch_id, sids, out)
         if len(live) == 2:  # the oldest request finishes: its span becomes evictable
             oldest = next(iter(live))
             runtime.release(oldest)
@@ -256,15 +259,12 @@ def test_groups_sharing_a_cached_prefix_are_placed_next_to_each_other(checkpoint
     layout = runtime.batches["b"].kv
     assert [s.group_id for s in runtime.batches["b"].sequences] == [0, 0, 2, 2, 1, 1]
     assert [(len(span.tokens), lo, hi) for span, lo, hi in layout._cascade_plan().spans] == [(8, 0, 4), (8, 4, 6)]
-    for _ in range(8):
-        for verdict in runtime.verify("b", {sid: ([], []) for sid in out}):
-            out[verdict.sequence_id].append(verdict.next_token_id)
+    _decode(runtime, "b", out, out, steps=8)
     for g, prompt in enumerate(prompts):
         expected = greedy(checkpoints["llama"], prompt, len(out[10 * g]), None)
         assert out[10 * g] == expected and out[10 * g + 1] == expected, g
     runtime.release("b", [20, 21])  # the middle group leaves: the others keep their rows and outputs
-    for verdict in runtime.verify("b", {sid: ([], []) for sid in (0, 1, 10, 11)}):
-        out[verdict.sequence_id].append(verdict.next_token_id)
+    _decode(runtime, "b", (0, 1, 10, 11), out)
     for g in (0, 1):
         assert out[10 * g] == greedy(checkpoints["llama"], prompts[g], len(out[10 * g]), None)
     runtime.release("b")
