@@ -15,10 +15,14 @@ in one run, for every n (samples per prompt) and temperature, it times:
 * ``d_bass_gated``: as ``d_bass_adaptive`` with the speculation gate (``coordinator.speculation_gate``);
 * ``e_grpc_adaptive``: specserve over its three gRPC services (one Generate request with n samples), the
   speculation gate off (``--speculation-gate off``);
-* ``e_grpc_gated``: as ``e_grpc_adaptive`` with the gate on for every batch (``--speculation-gate on``);
-* ``e_grpc_default``: as ``e_grpc_adaptive`` with the coordinator's defaults (the gate on for batches with a
-  sampled sequence);
-* ``e_grpc_target``: specserve over gRPC without a draft (coordinator + target: the served baseline).
+* ``e_grpc_sampled_gate``: as ``e_grpc_adaptive`` with the gate on for batches with a sampled sequence only
+  (``--speculation-gate sampled``: greedy batches run the draft's rounds);
+* ``e_grpc_default``: as ``e_grpc_adaptive`` with the coordinator's defaults (the gate on for every batch,
+  choosing among the draft's, lookup and plain rounds);
+* ``e_grpc_lookup``: specserve over gRPC without a draft, the coordinator's own prompt lookup on
+  (``coordinator.lookup``: n-gram speculation with no draft model);
+* ``e_grpc_target``: specserve over gRPC without a draft and without the coordinator's prompt lookup
+  (``--prompt-lookup off``: plain batched decoding, the served baseline).
 
 Every system generates exactly ``--max-new-tokens`` tokens per sample (EOS ignored). The systems are
 interleaved (``time_interleaved_samples``) and each figure is the median of ``--repeats``; one call runs
@@ -66,16 +70,18 @@ SYSTEMS: dict[str, str] = {
     "d_bass_model_only": "(d) BASS in-process, adaptive k, draft model alone (no prompt lookup)",
     "d_bass_gated": "(d) BASS in-process, adaptive k, speculation gate (plain rounds where faster)",
     "e_grpc_adaptive": "(e) BASS over gRPC, adaptive k, speculation gate off",
-    "e_grpc_gated": "(e) BASS over gRPC, adaptive k, speculation gate on every batch",
-    "e_grpc_default": "(e) BASS over gRPC, the coordinator's defaults (gate on sampled batches)",
-    "e_grpc_target": "(e) target only over gRPC",
+    "e_grpc_sampled_gate": "(e) BASS over gRPC, adaptive k, speculation gate on sampled batches only",
+    "e_grpc_default": "(e) BASS over gRPC, the coordinator's defaults (gate on every batch)",
+    "e_grpc_lookup": "(e) target only over gRPC, the coordinator's prompt lookup (no draft model)",
+    "e_grpc_target": "(e) target only over gRPC, plain decoding",
 }
 IN_PROCESS_BASS = ("d_bass_fixed", "d_bass_adaptive", "d_bass_full_proposals", "d_bass_model_only", "d_bass_gated")
 # system -> (the deployment has a draft, the coordinator's extra flags)
 GRPC_SYSTEMS: dict[str, tuple[bool, list[str]]] = {"e_grpc_adaptive": (True, ["--speculation-gate", "off"]),
-                                                   "e_grpc_gated": (True, ["--speculation-gate", "on"]),
+                                                   "e_grpc_sampled_gate": (True, ["--speculation-gate", "sampled"]),
                                                    "e_grpc_default": (True, []),
-                                                   "e_grpc_target": (False, [])}
+                                                   "e_grpc_lookup": (False, []),
+                                                   "e_grpc_target": (False, ["--prompt-lookup", "off"])}
 GRPC_BASELINE = "e_grpc_target"
 BASS = "d_bass_adaptive"  # the configuration the bars are judged on (the coordinator's default)
 
@@ -226,8 +232,10 @@ class Harness:
         response = self.stubs[system].Generate(request, timeout=3600)
         completions = sorted(response.completions, key=lambda c: c.index)
         usage = response.usage
-        stats = RunStats(rounds=usage.rounds, proposed=usage.draft_tokens_proposed,
-                         accepted=usage.draft_tokens_accepted, total_s=time.perf_counter() - start)
+        # speculative tokens of either source: the draft's, and the coordinator's lookup in draft-free rounds
+        stats = RunStats(rounds=usage.rounds, proposed=usage.draft_tokens_proposed + usage.lookup_tokens_proposed,
+                         accepted=usage.draft_tokens_accepted + usage.lookup_tokens_accepted,
+                         total_s=time.perf_counter() - start)
         return [list(c.token_ids) for c in completions], stats
 
 
@@ -393,7 +401,7 @@ def _point(temperature: float, n: int, m: int, num_prompts: int, samples: dict[s
     if "e_grpc_adaptive" in systems and BASS in systems:
         point["grpc_overhead"] = systems["e_grpc_adaptive"]["wall_s"] / systems[BASS]["wall_s"] - 1
     if GRPC_BASELINE in systems:
-        for system in (s for s, (has_draft, _) in GRPC_SYSTEMS.items() if has_draft and s in systems):
+        for system in (s for s in GRPC_SYSTEMS if s != GRPC_BASELINE and s in systems):
             served = systems[system]
             served["speedup_vs_grpc_target"] = _ratio(systems[GRPC_BASELINE]["wall_s"], served["wall_s"])
             served["identical_to_grpc_target"] = served["outputs"] == systems[GRPC_BASELINE]["outputs"]
@@ -445,7 +453,7 @@ def _bars(result: dict[str, Any]) -> dict[str, Any]:
         speedup = greedy8[0]["systems"][BASS]["speedup_vs_a"]
         bars["bass_2x_vs_a_at_n8_greedy"] = {"value": speedup, "met": speedup >= 2.0}
     for p in points:
-        for system, name in (("e_grpc_adaptive", "grpc_bass"), ("e_grpc_gated", "grpc_gated_bass"),
+        for system, name in (("e_grpc_adaptive", "grpc_bass"), ("e_grpc_sampled_gate", "grpc_sampled_gate_bass"),
                              ("e_grpc_default", "grpc_default_bass")):
             served = p["systems"].get(system, {})
             if p["n"] == 8 and "speedup_vs_grpc_target" in served:
@@ -501,9 +509,10 @@ def markdown(result: dict[str, Any]) -> str:
                   "| n | BASS tok/s | BASS vs (a) | BASS vs (b) | BASS vs (c) | fixed-k vs (a) | no floor vs (a) "
                   "| no lookup vs (a) "
                   "| gated vs (a) (plain rounds) "
-                  "| gRPC overhead (e)/(d) | gRPC BASS vs gRPC target | gRPC gated vs gRPC target "
-                  "| gRPC defaults vs gRPC target | acceptance (no lookup) | mean k | greedy (d),(e) = (a) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| gRPC overhead (e)/(d) | gRPC BASS vs gRPC target | gRPC sampled-only gate vs gRPC target "
+                  "| gRPC defaults vs gRPC target | gRPC lookup only vs gRPC target "
+                  "| acceptance (no lookup) | mean k | greedy (d),(e) = (a) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for p in points:
             s = p["systems"]
             d = s.get(BASS, {})
@@ -523,8 +532,9 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{_fmt(gated.get('speedup_vs_a'), '.2f', '×')} ({gated.get('plain_rounds', '–')}) | "
                          f"{_fmt(p.get('grpc_overhead', None) and 100 * p['grpc_overhead'], '+.1f', '%')} | "
                          f"{_fmt(s.get('e_grpc_adaptive', {}).get('speedup_vs_grpc_target'), '.2f', '×')} | "
-                         f"{_fmt(s.get('e_grpc_gated', {}).get('speedup_vs_grpc_target'), '.2f', '×')} | "
+                         f"{_fmt(s.get('e_grpc_sampled_gate', {}).get('speedup_vs_grpc_target'), '.2f', '×')} | "
                          f"{_fmt(s.get('e_grpc_default', {}).get('speedup_vs_grpc_target'), '.2f', '×')} | "
+                         f"{_fmt(s.get('e_grpc_lookup', {}).get('speedup_vs_grpc_target'), '.2f', '×')} | "
                          f"{_fmt(d.get('acceptance'), '.2f')} ({_fmt(alone.get('acceptance'), '.2f')}) | "
                          f"{_fmt(d.get('mean_draft_len'), '.1f')} | {same} |")
         lines.append("")

@@ -162,8 +162,10 @@ def run_prefix_bench(args: argparse.Namespace, model: Path) -> dict[str, object]
                           longest + args.repeats + 1 + (args.requests + 2) * args.question_tokens)
     prompts = PromptSet(corpus, longest, args.repeats + 1, args.requests + 2, args.question_tokens)
     # Without the cache the requests' long prefills queue on the target's one compute thread: the default
-    # 60 s --model-timeout would time the last ones out (and retry them) at 8K tokens on a CPU.
-    coordinator_args = ["--max-batch-sequences", str(args.requests * args.n), "--model-timeout", "1800"]
+    # 60 s --model-timeout would time the last ones out (and retry them) at 8K tokens on a CPU. Plain decoding
+    # (no lookup rounds either): the bench measures the cache, not speculation.
+    coordinator_args = ["--max-batch-sequences", str(args.requests * args.n), "--model-timeout", "1800",
+                        "--prompt-lookup", "off"]
     rows = []
     for length in args.system_tokens:
         deployments = {

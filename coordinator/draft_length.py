@@ -11,12 +11,14 @@ Where the draft cuts proposals short by its own confidence (per-sequence draft l
 k is a cap: only the sequences whose proposal reached it say whether it binds, so the shares are of
 those; a round where none reached it leaves k alone.
 
-With a ``SpeculationGate`` (``coordinator.speculation_gate``) a round may also propose nothing (k = 0: a
-plain decode step) while plain rounds emit tokens faster than speculative ones for the batch's mix
+With a ``SpeculationGate`` (``coordinator.speculation_gate``) a round may also call no draft (k = 0: a
+lookup or a plain round) while such rounds emit tokens faster than the draft's for the batch's mix
 (``sampled``: whether any of its sequences samples). ``reset`` starts over, for a new batch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from coordinator.speculation_gate import SpeculationGate
 
@@ -37,18 +39,21 @@ class DraftLength:
         self.adaptive = adaptive
         self.gate = gate
 
-    def for_round(self, sampled: bool = False) -> int:
-        """The k to propose in the next round of a batch of this mix: ``k``, or 0 where the gate runs a plain
-        decode round."""
-        return self.k if self.gate is None or self.gate.speculate(sampled) else 0
+    def for_round(self, kinds: Sequence[str] = ("draft", "plain"), sampled: bool = False) -> tuple[str, int]:
+        """The kind of the next round of a batch of this mix among the available ``kinds`` (``ROUND_KINDS``
+        order; the gate's choice, else the first) and the k the draft proposes in it (0 unless a draft round)."""
+        kind = kinds[0] if self.gate is None else self.gate.choose(kinds, sampled)
+        return kind, self.k if kind == "draft" else 0
 
     def update(self, proposed: int, accepted: list[int], seconds: float = 0.0,
-               lengths: list[int] | None = None, sampled: bool = False) -> int:
-        """Record a round's per-sequence accepted lengths for proposals of at most ``proposed`` tokens (0: a
-        plain round; ``lengths``: each sequence's proposal length, None: all ``proposed``) and its wall time
-        (for the gate, under the batch's mix); returns the next speculative k."""
+               lengths: list[int] | None = None, sampled: bool = False, kind: str | None = None) -> int:
+        """Record a round's per-sequence accepted lengths for draft proposals of at most ``proposed`` tokens
+        (0: no draft call; ``lengths``: each sequence's proposal length, None: all ``proposed``) and its wall
+        time, for the gate under the batch's mix and the round's ``kind`` (None: draft, or plain when
+        ``proposed`` is 0); returns the next speculative k."""
         if self.gate is not None:
-            self.gate.record(proposed > 0, sum(accepted) + len(accepted), seconds, sampled)
+            kind = kind or ("draft" if proposed else "plain")
+            self.gate.record(kind, sum(accepted) + len(accepted), seconds, sampled)
         capped = accepted if lengths is None else [a for a, n in zip(accepted, lengths, strict=True) if n >= proposed]
         if self.adaptive and proposed and capped:
             full = sum(a >= proposed for a in capped) / len(capped)

@@ -24,9 +24,12 @@ from dataclasses import dataclass
 import grpc
 
 from coordinator.draft_length import DraftLength
+from coordinator.lookup import LookupProposer, lookup_proposal
 from coordinator.model_clients import ModelEndpoint
 from coordinator.replicas import ReplicaPool
 from coordinator.request import Request
+from coordinator.speculation_gate import ROUND_KINDS
+from engine.prompt_lookup import DEFAULT_NGRAM_SIZES
 from serving import telemetry
 from serving.metrics import CoordinatorMetrics
 from serving.model_service import sampling_to_proto
@@ -62,6 +65,7 @@ class SchedulerConfig:
     draft_timeout_s: float = 10.0
     release_timeout_s: float = 5.0
     probe_period_s: float = 1.0
+    prompt_lookup: tuple[int, int] | None = DEFAULT_NGRAM_SIZES  # n-gram sizes of draft-free rounds' lookup; None: off
 
 
 class Scheduler:
@@ -78,6 +82,7 @@ class Scheduler:
         self.reroute = reroute
         self.removed = False
         self.draft: ModelEndpoint | None = None
+        self.lookup = LookupProposer(config.prompt_lookup) if config.prompt_lookup else None
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._samples: dict[int, tuple[Request, object]] = {}
@@ -242,6 +247,9 @@ class Scheduler:
             self._drop_draft(draft_result[0])
         request.admitted = time.monotonic()
         by_id = {s.sequence_id: s for s in request.samples}
+        if self.lookup is not None:
+            first = {t.sequence_id: t.token_id for t in target_result.first_tokens}
+            self.lookup.start(request.spec.prompt_token_ids, first)
         for token in target_result.first_tokens:
             sample = by_id[token.sequence_id]
             self._samples[token.sequence_id] = (request, sample)
@@ -340,6 +348,8 @@ class Scheduler:
         self._updates.clear()
         self._catch_up.clear()
         self._held.clear()
+        if self.lookup is not None:
+            self.lookup.clear()
         self._batch_tokens = 0
         self._running = [r for r in self._running if not r.done.is_set()]
         self.draft_length.reset()  # the next batch may be another workload: its k and gate start afresh
@@ -359,6 +369,8 @@ class Scheduler:
     async def _round(self) -> None:
         finished_ids = [sid for sid in self._held if self._samples[sid][1].finished]
         self._held.difference_update(finished_ids)
+        if self.lookup is not None:
+            self.lookup.forget(finished_ids)
         for sid in finished_ids:
             request, _ = self._samples[sid]
             self._updates.pop(sid, None)
@@ -369,24 +381,32 @@ class Scheduler:
         draft = self.draft
         in_round = [r for r in self._running if any(s.sequence_id in self._held for s in r.samples)]
         sampled = any(not r.spec.sampling.greedy for r in in_round)  # the batch's mix, for the speculation gate
-        k = self.draft_length.for_round(sampled) if draft is not None else 0
+        # The kinds of round this batch can run. A greedy batch with lookup does not judge plain rounds: a
+        # lookup round that finds nothing is one, and where lookup finds tokens it beats them (greedy lookup
+        # tokens are mostly accepted, and a request's score cuts them where not), so a third kind would only
+        # add wrong choices made on the gate's first, noisy figures (docs/benchmarks.md, run K).
+        available = (draft is not None, self.lookup is not None, self.lookup is None or sampled)
+        kinds = [kind for kind, ok in zip(ROUND_KINDS, available, strict=True) if ok]
+        kind, k = self.draft_length.for_round(kinds, sampled)
         # A round serves many requests: a root span of its own, linked to the span of each request in it.
         traced = [r.span for r in in_round if r.span is not None]
         span = telemetry.start_span("coordinator.round", links=traced, attributes={
             "specserve.batch_id": self.batch_id, "specserve.groups": len(traced),
             "specserve.sequences": len(live), "specserve.draft_len": k})
         try:
-            await self._speculate(span, live, finished_ids, draft, k, sampled)
+            await self._speculate(span, live, finished_ids, draft, kind, k, sampled)
         finally:
             span.end()
 
     async def _speculate(self, span: telemetry.Span, live: list[int], finished_ids: list[int],
-                         draft: ModelEndpoint | None, k: int, sampled: bool) -> None:
+                         draft: ModelEndpoint | None, kind: str, k: int, sampled: bool) -> None:
         metadata = telemetry.inject_metadata(span)
-        proposals = [model_pb2.Proposal(sequence_id=sid) for sid in live]
+        # what lookup finds is scored in every round; a draft-free round verifies it
+        looked_up = {sid: self.lookup.propose(sid, self._lookup_limit(sid)) for sid in live} if self.lookup else {}
+        proposals: list[model_pb2.Proposal] = []
         start = time.monotonic()
-        skip_draft = draft is not None and k == 0  # a plain round: the draft hears of its tokens next time
-        if draft is not None and not skip_draft:
+        skip_draft = draft is not None and kind != "draft"  # the draft hears of this round's tokens next time
+        if kind == "draft":
             updates = [model_pb2.SequenceUpdate(sequence_id=sid, accepted_len=self._updates[sid][0],
                                                 next_token_id=self._updates[sid][1],
                                                 catch_up_token_ids=self._catch_up.pop(sid, []))
@@ -399,7 +419,11 @@ class Scheduler:
             except grpc.aio.AioRpcError as error:
                 span.add_event("draft dropped", {"grpc.status_code": error.code().name})
                 self._drop_draft(error)
-                k = 0
+                kind, k = "lookup", 0
+        if kind != "draft":
+            proposals = [self._lookup_proposal(sid, looked_up.get(sid, []) if kind == "lookup" else []) for sid in live]
+            # what runs: a lookup round that found nothing is a plain step, and the gate measures it as one
+            kind = "lookup" if any(p.token_ids for p in proposals) else "plain"
         verify = model_pb2.VerifyRequest(batch_id=self.batch_id, proposals=proposals,
                                          release_sequence_ids=finished_ids)
         try:
@@ -409,48 +433,72 @@ class Scheduler:
             self.target.healthy = False
             await self._fail_running(self._status(error, self.target))
             return
-        tokens_proposed, tokens_accepted = self._apply(proposals, verified.verdicts, k, skip_draft,
+        tokens_proposed, tokens_accepted = self._apply(proposals, verified.verdicts, kind, k, skip_draft,
                                                        time.monotonic() - start, sampled)
-        self.metrics.round_done(len(live), tokens_proposed, tokens_accepted, plain=k == 0)
-        span.set_attributes({"specserve.draft_len": k, "specserve.tokens_proposed": tokens_proposed,
+        self.metrics.round_done(len(live), tokens_proposed, tokens_accepted, kind)
+        span.set_attributes({"specserve.draft_len": k, "specserve.round_kind": kind,
+                             "specserve.tokens_proposed": tokens_proposed,
                              "specserve.tokens_accepted": tokens_accepted, "specserve.kv_bytes": verified.kv_bytes})
 
-    def _apply(self, proposals: list[model_pb2.Proposal], verdicts: list[model_pb2.Verdict], k: int,
+    def _lookup_limit(self, sequence_id: int) -> int:
+        """The most lookup tokens worth verifying for the sequence: up to the draft length's maximum, and short
+        of its last token (the verify adds one of its own)."""
+        sample = self._samples[sequence_id][1]
+        return max(0, min(self.draft_length.maximum, sample.max_new_tokens - len(sample.token_ids) - 1))
+
+    def _lookup_proposal(self, sequence_id: int, tokens: list[int]) -> model_pb2.Proposal:
+        """What a draft-free round verifies for the sequence: its lookup tokens (none: one plain decode step)."""
+        return lookup_proposal(sequence_id, tokens, self._samples[sequence_id][0].spec.sampling.greedy)
+
+    def _apply(self, proposals: list[model_pb2.Proposal], verdicts: list[model_pb2.Verdict], kind: str, k: int,
                skipped_draft: bool, seconds: float, sampled: bool) -> tuple[int, int]:
-        """Extend each sample by its verdict, complete finished requests and account the round (``seconds``
-        long, of the batch's mix ``sampled``) in the draft length; returns the round's (draft tokens
-        proposed, accepted) over its verdicts. After a round that ``skipped_draft``, each sequence's update
-        still answers its last proposal and the tokens since queue as catch-up."""
+        """Extend each sample by its verdict, complete finished requests and account the round (of ``kind``,
+        with draft length ``k``; ``seconds`` long, of the batch's mix ``sampled``) in the draft length and the
+        usage; returns the round's (tokens proposed, accepted) over its verdicts. After a round that
+        ``skipped_draft``, each sequence's update still answers its last proposal and the tokens confirmed
+        since queue as catch-up."""
         proposed = {p.sequence_id: list(p.token_ids) for p in proposals}
-        wire = {p.sequence_id: p.ByteSize() for p in proposals} if k else {}
+        wire = {p.sequence_id: p.ByteSize() for p in proposals} if kind == "draft" else {}
         tokens_proposed = tokens_accepted = 0
         accepted_lens, proposal_lens = [], []
-        counted: set[int] = set()
+        in_round: dict[int, Request] = {}
+        with_lookup: set[int] = set()  # the requests of which a sequence verified lookup tokens
         for verdict in verdicts:
             request, sample = self._samples[verdict.sequence_id]
             tokens = proposed[verdict.sequence_id]
+            confirmed = tokens[: verdict.accepted_len] + [verdict.next_token_id]
             accepted_lens.append(verdict.accepted_len)
             proposal_lens.append(len(tokens))
             if skipped_draft:
                 answered, previous = self._updates[verdict.sequence_id]
-                self._catch_up.setdefault(verdict.sequence_id, []).append(previous)
+                self._catch_up.setdefault(verdict.sequence_id, []).extend([previous, *confirmed[:-1]])
                 self._updates[verdict.sequence_id] = (answered, verdict.next_token_id)
             else:
                 self._updates[verdict.sequence_id] = (verdict.accepted_len, verdict.next_token_id)
-            request.usage.draft_tokens_proposed += len(tokens)
-            request.usage.draft_tokens_accepted += verdict.accepted_len
-            request.usage.draft_proposal_bytes += wire.get(verdict.sequence_id, 0)
+            if self.lookup is not None:
+                self.lookup.confirm(verdict.sequence_id, confirmed)
+            usage = request.usage
+            if kind == "draft":
+                usage.draft_tokens_proposed += len(tokens)
+                usage.draft_tokens_accepted += verdict.accepted_len
+                usage.draft_proposal_bytes += wire[verdict.sequence_id]
+            else:
+                usage.lookup_tokens_proposed += len(tokens)
+                usage.lookup_tokens_accepted += verdict.accepted_len
             tokens_proposed += len(tokens)
             tokens_accepted += verdict.accepted_len
-            if id(request) not in counted:
-                counted.add(id(request))
-                request.usage.rounds += 1
-                request.usage.plain_rounds += k == 0
-            request.record(sample, sample.extend(tokens[: verdict.accepted_len] + [verdict.next_token_id]))
+            in_round[id(request)] = request
+            if tokens and kind != "draft":
+                with_lookup.add(id(request))
+            request.record(sample, sample.extend(confirmed))
+        for key, request in in_round.items():
+            request.usage.rounds += 1
+            request.usage.lookup_rounds += key in with_lookup
+            request.usage.plain_rounds += kind != "draft" and key not in with_lookup
         for request in self._running:
             if request.finished:
                 request.complete()
-        self.draft_length.update(k, accepted_lens, seconds, proposal_lens, sampled)
+        self.draft_length.update(k, accepted_lens, seconds, proposal_lens, sampled, kind)
         return tokens_proposed, tokens_accepted
 
     async def _fail_running(self, status: tuple[grpc.StatusCode, str]) -> None:

@@ -46,7 +46,7 @@ async def serve_coordinator(args: argparse.Namespace) -> int:
     drafts = ReplicaPool("draft", parse_endpoint_spec(args.draft), tls) if args.draft else None
     config = SchedulerConfig(max_batch_sequences=args.max_batch_sequences, max_batch_tokens=args.max_batch_tokens,
                              max_queue=args.max_queue, model_timeout_s=args.model_timeout,
-                             draft_timeout_s=args.draft_timeout)
+                             draft_timeout_s=args.draft_timeout, prompt_lookup=args.prompt_lookup)
 
     def draft_length() -> DraftLength:  # one per target replica's scheduler
         mode = "off" if args.fixed_draft_len else args.speculation_gate

@@ -7,7 +7,7 @@ import grpc
 from engine.draft import DraftRuntime
 from serving import telemetry
 from serving.grpc_server import grpc_errors
-from serving.model_service import ModelServicer
+from serving.model_service import ModelServicer, distribution_to_proto
 from specserve.v1 import model_pb2, model_pb2_grpc
 
 SERVICE_NAME = "specserve.v1.DraftModel"
@@ -41,9 +41,7 @@ class DraftServicer(ModelServicer, model_pb2_grpc.DraftModelServicer):
             proposals=[
                 model_pb2.Proposal(
                     sequence_id=p.sequence_id, token_ids=p.token_ids,
-                    distributions=[model_pb2.DraftDistribution(token_ids=d.token_ids.tolist(),
-                                                               probs_fp16=d.probs_fp16)
-                                   for d in p.distributions],
+                    distributions=[distribution_to_proto(d) for d in p.distributions],
                 )
                 for p in proposals
             ],

@@ -104,6 +104,19 @@ class PromptLookup:
         self._found = found
         return found if self.score.lookup_right > self.score.model_right else []
 
+    def confident(self, count: int, floor: float) -> list[int]:
+        """A proposal of lookup tokens alone (no draft model): the first of up to ``count`` continuation tokens
+        while the estimated chance that the target accepts them all (the group's ``lookup_confidence`` to the
+        power of their number) stays at or above ``floor``. The whole continuation is scored at the next
+        ``settle``, proposed or not, so a request whose lookup earns trust gets proposals again."""
+        found = self.propose(count)
+        self._disputed, self._found = None, found
+        confidence, chance, length = self.score.lookup_confidence, 1.0, 0
+        while length < len(found) and chance * confidence >= floor:
+            chance *= confidence
+            length += 1
+        return found[:length]
+
     def settle(self, confirmed: Sequence[int] | None) -> None:
         """Score the last proposal against the tokens the target confirmed from its first position on (None:
         unknown, e.g. the sequence missed rounds): the disagreement of its first tokens, and the lookup

@@ -30,8 +30,17 @@ class CoordinatorMetrics:
                               registry=r)
         self.rounds = Counter("specserve_rounds", "decode rounds of a batch (one target Verify each)", registry=r)
         self.plain_rounds = Counter("specserve_plain_rounds",
-                                    "rounds that verified no draft tokens (the speculation gate chose a plain "
-                                    "decode step, or no draft was reachable)", registry=r)
+                                    "rounds that verified no proposed tokens: plain decode steps (no draft call, and "
+                                    "the coordinator's prompt lookup found nothing to propose)", registry=r)
+        self.lookup_rounds = Counter("specserve_lookup_rounds",
+                                     "rounds without a draft call that verified the coordinator's own prompt-lookup "
+                                     "tokens (the speculation gate chose a draft-free round, or no draft was "
+                                     "reachable)", registry=r)
+        self.lookup_proposed = Counter("specserve_lookup_tokens_proposed",
+                                       "prompt-lookup tokens the coordinator proposed in rounds without a draft call",
+                                       registry=r)
+        self.lookup_accepted = Counter("specserve_lookup_tokens_accepted",
+                                       "prompt-lookup tokens of the coordinator's that the target accepted", registry=r)
         self.proposed = Counter("specserve_draft_tokens_proposed", "draft tokens proposed to the target",
                                 registry=r)
         self.accepted = Counter("specserve_draft_tokens_accepted", "draft tokens the target accepted", registry=r)
@@ -73,14 +82,18 @@ class CoordinatorMetrics:
         """Make the queue-depth gauge read ``depth()`` at every scrape."""
         self.queue_depth.set_function(lambda: float(depth()))
 
-    def round_done(self, sequences: int, proposed: int, accepted: int, plain: bool) -> None:
-        """Account one round: its batch size, the draft tokens proposed/accepted in it, and whether it was
-        ``plain`` (no draft tokens asked for, or the draft failed)."""
+    def round_done(self, sequences: int, proposed: int, accepted: int, kind: str) -> None:
+        """Account one round of ``kind`` draft (the draft proposed), lookup (the coordinator proposed, no draft
+        call) or plain (nothing proposed): its batch size and the tokens proposed/accepted in it."""
         self.rounds.inc()
-        if plain:
-            self.plain_rounds.inc()
         self.batch_sequences.observe(sequences)
-        if proposed:
+        if kind == "plain":
+            self.plain_rounds.inc()
+        elif kind == "lookup":
+            self.lookup_rounds.inc()
+            self.lookup_proposed.inc(proposed)
+            self.lookup_accepted.inc(accepted)
+        elif proposed:
             self.proposed.inc(proposed)
             self.accepted.inc(accepted)
             self._proposed_total += proposed

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
+import numpy as np
 import torch
 
 from engine.batch import GroupInput
@@ -19,7 +20,7 @@ from engine.device import resolve_device
 from engine.errors import ModelLoading
 from engine.graphs import graphs_supported
 from engine.runtime import ModelRuntime, Prefilled
-from engine.sampling import SamplingParams
+from engine.sampling import CompactDistribution, SamplingParams
 from kernels import backend_for_device
 from serving import telemetry
 from serving.grpc_server import CallerGone, create_server, grpc_errors, set_serving
@@ -43,6 +44,17 @@ def sampling_to_proto(params: SamplingParams) -> model_pb2.SamplingParams:
     """The wire form of sampling parameters."""
     return model_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                     seed=params.seed)
+
+
+def distribution_from_proto(message: model_pb2.DraftDistribution) -> CompactDistribution:
+    """A draft distribution from its wire form."""
+    return CompactDistribution(token_ids=np.asarray(message.token_ids, dtype=np.int32),
+                               probs_fp16=bytes(message.probs_fp16))
+
+
+def distribution_to_proto(distribution: CompactDistribution) -> model_pb2.DraftDistribution:
+    """The wire form of a draft distribution (``distribution_from_proto`` reads back the same one)."""
+    return model_pb2.DraftDistribution(token_ids=distribution.token_ids.tolist(), probs_fp16=distribution.probs_fp16)
 
 
 def group_from_proto(group: model_pb2.GroupSpec) -> GroupInput:

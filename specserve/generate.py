@@ -48,8 +48,9 @@ def print_response(response: coordinator_pb2.GenerateResponse, prompt: str) -> N
     usage = response.usage
     rate = usage.draft_tokens_accepted / usage.draft_tokens_proposed if usage.draft_tokens_proposed else 0.0
     print(f"--- usage: prompt {usage.prompt_tokens}, completion {usage.completion_tokens} tokens, "
-          f"{usage.rounds} rounds ({usage.plain_rounds} plain), draft acceptance {rate:.2f} "
-          f"({usage.draft_tokens_accepted}/{usage.draft_tokens_proposed}), "
+          f"{usage.rounds} rounds ({usage.lookup_rounds} lookup, {usage.plain_rounds} plain), draft acceptance "
+          f"{rate:.2f} ({usage.draft_tokens_accepted}/{usage.draft_tokens_proposed}), lookup "
+          f"{usage.lookup_tokens_accepted}/{usage.lookup_tokens_proposed}, "
           f"{usage.draft_proposal_bytes / max(usage.rounds, 1):.0f} proposal bytes/round")
 
 

@@ -59,7 +59,7 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _ngram_sizes(text: str) -> tuple[int, int] | None:
-    """``MIN,MAX`` n-gram sizes of the draft's prompt lookup, or None for ``off``."""
+    """``MIN,MAX`` n-gram sizes of a prompt lookup (the draft's or the coordinator's), or None for ``off``."""
     if text.strip().lower() == "off":
         return None
     try:
@@ -101,7 +101,8 @@ def _confidence_floor(text: str) -> float:
 def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
     spec = "host:port[,host:port...], dns:///HOST:PORT (headless Service) or k8s:///NAMESPACE/SERVICE:PORT"
     parser.add_argument("--target", required=True, help=f"target replicas: {spec}")
-    parser.add_argument("--draft", help=f"draft replicas ({spec}); without it, plain batched decoding")
+    parser.add_argument("--draft", help=f"draft replicas ({spec}); without it, batched decoding on the "
+                        "target with the coordinator's prompt lookup (--prompt-lookup)")
     parser.add_argument("--max-n", type=int, default=64, help="largest n a request may ask for")
     parser.add_argument("--max-batch-sequences", type=int, default=64, help="sequences in the running batch")
     parser.add_argument("--max-batch-tokens", type=int, default=0,
@@ -115,12 +116,18 @@ def _coordinator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-draft-len", type=int, default=8, help="upper bound of the adaptive draft length")
     parser.add_argument("--fixed-draft-len", action="store_true", help="keep k = --draft-len every round")
     parser.add_argument("--speculation-gate", nargs="?", const="on", default=DEFAULT_GATE_MODE, choices=GATE_MODES,
-                        help="measure plain decode rounds against speculative ones and run the faster kind, for "
-                             "batches with a sampled sequence (sampled, the default), for every batch (on; the "
-                             "flag alone), or never (off); on the default pair it helps at T = 0.8 and costs "
-                             "greedy, docs/benchmarks.md")
+                        help="measure the kinds of round (the draft's, the coordinator's prompt lookup, plain "
+                             "decode steps) against each other and run the fastest, for batches with a sampled "
+                             "sequence (sampled), for every batch (on, the default; the flag alone), or never "
+                             "(off: always the draft's, else lookup); docs/design.md")
+    parser.add_argument("--prompt-lookup", type=_ngram_sizes, default=DEFAULT_NGRAM_SIZES, metavar="MIN,MAX|off",
+                        help="in rounds without a draft call (the gate chose them, no draft is deployed or it is "
+                             "down), verify the continuation of the latest earlier occurrence of each sequence's "
+                             "last MAX..MIN tokens instead of one plain step (the coordinator's own prompt lookup; "
+                             "lossless); 'off': plain decode steps "
+                             f"(default {','.join(map(str, DEFAULT_NGRAM_SIZES))})")
     parser.add_argument("--speculation-probe-every", type=int, default=PROBE_EVERY,
-                        help="after N rounds one round of the slower kind (plain or speculative) re-measures it; "
+                        help="after N rounds one round of another kind (the one measured longest ago) re-measures it; "
                              "probes that confirm the choice double the gap, up to 4N")
     parser.add_argument("--model-timeout", type=float, default=60.0,
                         help="deadline of target calls (s); a timed-out prefill is retried with twice the deadline, "

@@ -3,22 +3,14 @@
 from __future__ import annotations
 
 import grpc
-import numpy as np
 
-from engine.sampling import CompactDistribution
 from engine.target import TargetRuntime
 from serving import telemetry
 from serving.grpc_server import grpc_errors
-from serving.model_service import ModelServicer
+from serving.model_service import ModelServicer, distribution_from_proto
 from specserve.v1 import model_pb2, model_pb2_grpc
 
 SERVICE_NAME = "specserve.v1.TargetModel"
-
-
-def distribution_from_proto(message: model_pb2.DraftDistribution) -> CompactDistribution:
-    """A draft distribution from its wire form."""
-    return CompactDistribution(token_ids=np.asarray(message.token_ids, dtype=np.int32),
-                               probs_fp16=bytes(message.probs_fp16))
 
 
 class TargetServicer(ModelServicer, model_pb2_grpc.TargetModelServicer):

@@ -33,7 +33,8 @@ def test_bench_e2e_json(checkpoints, tmp_path):
             assert all(len(sample) == 8 for sample in entry["outputs"][0])
         reference = systems["a_batched"]["outputs"]
         for name in ("b_hf_generate", "d_bass_fixed", "d_bass_adaptive", "d_bass_full_proposals", "d_bass_model_only",
-                     "d_bass_gated", "e_grpc_adaptive", "e_grpc_gated", "e_grpc_default", "e_grpc_target"):
+                     "d_bass_gated", "e_grpc_adaptive", "e_grpc_sampled_gate", "e_grpc_default", "e_grpc_lookup",
+                     "e_grpc_target"):
             assert systems[name]["outputs"] == reference, name
         assert point["grpc_overhead"] > -1
     prompt_ids = code_prompts(_tokenizer(checkpoints["llama"]), 1)[0].token_ids

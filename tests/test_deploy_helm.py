@@ -228,7 +228,8 @@ def test_coordinator_discovers_replicas_through_endpointslices(default_objects: 
     # the settings come from the ConfigMap
     assert (args.max_n, args.max_batch_sequences, args.max_queue) == (64, 64, 256)
     assert (args.draft_len, args.max_draft_len, args.fixed_draft_len) == (4, 8, False)
-    assert (args.speculation_gate, args.speculation_probe_every) == ("sampled", 16)
+    assert (args.speculation_gate, args.speculation_probe_every) == ("on", 16)
+    assert args.prompt_lookup == (2, 3)
     assert args.max_batch_tokens == 0 and args.prefix_affinity_slack == 16
     assert args.auth_token_file is None and args.tls_cert is None
     discovery = pytest.importorskip("coordinator.discovery")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.draft_length import DraftLength
-from coordinator.speculation_gate import SpeculationGate
+from coordinator.speculation_gate import ROUND_KINDS, SpeculationGate
 
 
 def test_grows_when_most_sequences_take_everything_and_stays_bounded():
@@ -39,16 +39,22 @@ def test_rejects_bad_bounds():
         DraftLength(5, 4)
 
 
+LETTERS = {"draft": "S", "lookup": "L", "plain": "p"}
+TWO_KINDS = ("draft", "plain")
+
+
 def run_rounds(gate: SpeculationGate, rounds: int, speculative_rate: float, plain_rate: float,
-               sampled: bool = False) -> str:
-    """Run ``rounds`` rounds at the given tokens per second of each kind; returns the kinds run, one letter
-    per round: S speculative, p plain."""
-    kinds = ""
+               sampled: bool = False, lookup_rate: float | None = None) -> str:
+    """Run ``rounds`` rounds at the given tokens per second of each kind (lookup rounds only with a
+    ``lookup_rate``); returns the kinds run, one letter per round: S draft, L lookup, p plain."""
+    rates = {"draft": speculative_rate, "lookup": lookup_rate, "plain": plain_rate}
+    kinds = tuple(kind for kind in ROUND_KINDS if rates[kind] is not None)
+    run = ""
     for _ in range(rounds):
-        speculative = gate.speculate(sampled)
-        kinds += "S" if speculative else "p"
-        gate.record(speculative, 8, 8 / (speculative_rate if speculative else plain_rate), sampled)
-    return kinds
+        kind = gate.choose(kinds, sampled)
+        run += LETTERS[kind]
+        gate.record(kind, 8, 8 / rates[kind], sampled)
+    return run
 
 
 def test_gate_runs_the_faster_kind_and_probes_the_other():
@@ -66,29 +72,41 @@ def test_probes_that_confirm_the_choice_back_off_to_four_times_the_interval():
     assert [i for i, kind in enumerate(kinds) if kind == "S"] == [0, 3, 11, 27, 43]  # gaps 8, 16, 16
 
 
+def test_three_kinds_are_measured_in_order_then_the_fastest_runs_and_probes_take_turns():
+    """Draft, lookup and plain rounds each run once first; then the fastest (lookup here), and each probe
+    re-measures the other kind whose figure is oldest, so both slower kinds stay measured."""
+    gate = SpeculationGate(probe_every=4)
+    kinds = run_rounds(gate, 28, speculative_rate=100.0, plain_rate=80.0, lookup_rate=150.0)
+    assert kinds == "SLp" + "S" + "L" * 7 + "p" + "L" * 15 + "S"  # probes at 3, 11, 27 (gaps 8, 16)
+    assert gate.rate() == {"draft": 100.0, "lookup": 150.0, "plain": 80.0}
+    assert gate.fastest(("draft", "plain")) == "draft"  # without lookup (its rounds unavailable) the draft's
+    assert gate.choose(("plain",)) == "plain"  # a single kind is not judged
+
+
 def test_draft_length_with_a_gate_proposes_nothing_in_plain_rounds():
     gate = SpeculationGate(probe_every=2)
     rule = DraftLength(3, 8, gate=gate)
-    assert rule.for_round() == 3
+    assert rule.for_round() == ("draft", 3)
     rule.update(3, [3, 3], seconds=1.0)  # k grows to 4 ...
-    assert rule.for_round() == 0  # ... but this round probes plain decoding
+    assert rule.for_round() == ("plain", 0)  # ... but this round measures plain decoding
     assert rule.update(0, [0, 0], seconds=0.1) == 4  # a plain round leaves k alone
-    assert gate.rate() == {True: 8.0, False: 20.0}
-    assert DraftLength(3, 8).for_round() == 3  # no gate: always k
+    assert rule.for_round(("draft", "lookup", "plain")) == ("lookup", 0)  # a kind not measured yet runs
+    assert rule.update(0, [2, 1], seconds=0.1, kind="lookup") == 4  # a lookup round's tokens count for lookup
+    assert gate.rate() == {"draft": 8.0, "plain": 20.0, "lookup": 50.0}
+    assert DraftLength(3, 8).for_round() == ("draft", 3)  # no gate: always the first kind
+    assert DraftLength(3, 8).for_round(("lookup", "plain")) == ("lookup", 0)
 
 
 def test_gate_keeps_greedy_and_sampled_batches_apart():
     """Speculation that loses on sampled batches does not stop it on greedy ones, and the other way round."""
     gate = SpeculationGate(probe_every=4)
-    for _ in range(8):  # sampled batches: speculation at half the plain rate
-        speculative = gate.speculate(sampled=True)
-        gate.record(speculative, 8, 8 / (50.0 if speculative else 100.0), sampled=True)
-    assert not gate.better(sampled=True)
-    assert gate.better(sampled=False) and gate.speculate(sampled=False)
-    assert gate.rate(sampled=False) == {True: None, False: None}
+    run_rounds(gate, 8, speculative_rate=50.0, plain_rate=100.0, sampled=True)  # speculation at half the plain rate
+    assert gate.fastest(TWO_KINDS, sampled=True) == "plain"
+    assert gate.choose(TWO_KINDS, sampled=False) == "draft"
+    assert gate.rate(sampled=False) == {}
     # greedy batches: speculation twice as fast, probed as a fresh gate would
     assert run_rounds(gate, 8, speculative_rate=200.0, plain_rate=100.0, sampled=False) == "SpSpSSSS"
-    assert not gate.better(sampled=True)  # the sampled figures are untouched
+    assert gate.fastest(TWO_KINDS, sampled=True) == "plain"  # the sampled figures are untouched
 
 
 def test_gate_measures_both_kinds_in_its_first_rounds():
@@ -97,9 +115,9 @@ def test_gate_measures_both_kinds_in_its_first_rounds():
     gate = SpeculationGate(probe_every=16)
     assert run_rounds(gate, 4, speculative_rate=50.0, plain_rate=100.0) == "Sppp"
     fresh = SpeculationGate(probe_every=16)
-    assert fresh.speculate()
-    fresh.record(True, 0, 1.0)  # a speculative round that emitted nothing: still unmeasured
-    assert fresh.speculate()
+    assert fresh.choose(TWO_KINDS) == "draft"
+    fresh.record("draft", 0, 1.0)  # a draft round that emitted nothing: still unmeasured
+    assert fresh.choose(TWO_KINDS) == "draft"
 
 
 def test_reset_forgets_the_figures_and_the_grown_k():
@@ -107,36 +125,18 @@ def test_reset_forgets_the_figures_and_the_grown_k():
     rule = DraftLength(3, 8, gate=gate)
     rule.update(3, [3, 3], seconds=1.0)
     rule.update(0, [0, 0], seconds=0.01)  # plain rounds far faster: the gate would stop speculating
-    assert rule.k == 4 and not gate.better()
+    assert rule.k == 4 and gate.fastest(TWO_KINDS) == "plain"
     rule.reset()
-    assert rule.k == 3 and gate.rate() == {True: None, False: None}
-    assert rule.for_round() == 3  # the first round of the fresh batch speculates again
+    assert rule.k == 3 and gate.rate() == {}
+    assert rule.for_round() == ("draft", 3)  # the first round of the fresh batch speculates again
 
 
 def test_sampled_mode_gates_sampled_batches_and_always_speculates_for_greedy_ones():
-    """The default mode: plain rounds that win stop speculation on sampled batches only."""
+    """Mode ``sampled``: plain rounds that win stop speculation on sampled batches only; ``on`` judges both."""
     gate = SpeculationGate.for_mode("sampled", probe_every=4)
     assert run_rounds(gate, 8, speculative_rate=50.0, plain_rate=100.0) == "S" * 8  # greedy: not judged
-    assert gate.rate(sampled=False) == {True: None, False: None}
+    assert gate.rate(sampled=False) == {}
     assert run_rounds(gate, 8, speculative_rate=50.0, plain_rate=100.0, sampled=True) == "SppSpppp"
     everywhere = SpeculationGate.for_mode("on", probe_every=4)
     assert run_rounds(everywhere, 8, speculative_rate=50.0, plain_rate=100.0) == "SppSpppp"
     assert SpeculationGate.for_mode("off") is None
-
-
-def test_gate_rejects_bad_settings():
-    with pytest.raises(ValueError, match="probe_every"):
-        SpeculationGate(probe_every=1)
-    with pytest.raises(ValueError, match="smoothing"):
-        SpeculationGate(smoothing=0.0)
-    with pytest.raises(ValueError, match="mode"):
-        SpeculationGate.for_mode("greedy")
-
-
-def test_proposals_cut_short_by_the_draft_do_not_count():
-    """With per-sequence proposal lengths only the sequences that reached the cap say whether it binds."""
-    rule = DraftLength(4, 8)
-    assert rule.update(4, [4, 4, 0, 1, 2], lengths=[4, 4, 0, 1, 2]) == 5  # both capped ones took all: grow
-    assert rule.update(5, [1, 0, 5, 2], lengths=[1, 5, 5, 5]) == 5  # one of three capped took all: hold
-    assert rule.update(5, [0, 1, 0, 0], lengths=[5, 5, 5, 2]) == 4  # none of three capped did: shrink
-    assert rule.update(4, [1, 2], lengths=[1, 2]) == 4  # none reached the cap: it did not bind

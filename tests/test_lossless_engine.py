@@ -10,14 +10,12 @@ rate 1e-3) must accept it, and must reject it when the acceptance rule is broken
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 
 import pytest
 import torch
-from scipy import stats
+from distribution_oracle import VOCAB, chi_square_pvalue, exact_distribution, tiny
 from tiny_models import restrict_vocabulary
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import engine.draft
 import engine.prompt_lookup
@@ -25,26 +23,14 @@ import engine.sampling
 from engine.batch import GroupInput
 from engine.checkpoint import load_checkpoint
 from engine.draft import DraftRuntime
-from engine.sampling import SamplingParams, process_logits
+from engine.sampling import SamplingParams
 from engine.target import TargetRuntime
 from specserve.cli import build_parser
 
-VOCAB = 32
 SAMPLES = 6000
 PROMPT = [3, 17, 5, 9]
 ALPHA = 1e-3
 FLOOR = 0.2  # with the peaked tiny draft below, proposals of 0, 1 and 2 tokens all occur
-
-
-def tiny(path, seed: int, scale: float):
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                         eos_token_id=0, bos_token_id=1))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -74,18 +60,6 @@ def subset_pair(pair, root):
     return pair[0], DraftRuntime(load_checkpoint(restricted))
 
 
-def exact_distribution(model, params: SamplingParams, prompt_ids: list[int] = PROMPT) -> torch.Tensor:
-    """P(t1, t2, t3) [V, V, V] of the target's processed distributions, by enumeration."""
-    with torch.inference_mode():
-        prompt = torch.tensor([prompt_ids])
-        p1 = process_logits(model(prompt).logits[:, -1], [params])[0]
-        pairs = torch.tensor(list(itertools.product(range(VOCAB), repeat=2)))
-        logits = model(torch.cat([prompt.expand(len(pairs), -1), pairs], dim=1)).logits
-        p2 = process_logits(logits[::VOCAB, -2], [params] * VOCAB)  # [V, V]: depends on t1 only
-        p3 = process_logits(logits[:, -1], [params] * len(pairs)).view(VOCAB, VOCAB, VOCAB)
-    return p1[:, None, None] * p2[:, :, None] * p3
-
-
 def speculative_samples(target, draft, params: SamplingParams, batch_id: str, prompt: list[int] = PROMPT,
                         lengths: Counter | None = None) -> torch.Tensor:
     """(t1, t2, t3) of SAMPLES sequences: t1 from prefill, then k=2 rounds until every sequence has 3; counts
@@ -111,29 +85,6 @@ def speculative_samples(target, draft, params: SamplingParams, batch_id: str, pr
     return torch.tensor([tokens[s][:3] for s in ids])
 
 
-def pair_pvalue(samples: torch.Tensor, exact: torch.Tensor, merge_below: float = 5.0) -> float:
-    """Chi-square p-value of the counts of token pairs ``samples [N, 2]`` against ``exact [V, V]``; cells with
-    expected count below ``merge_below`` are pooled into one."""
-    counts = torch.zeros(exact.numel(), dtype=torch.float64)
-    flat = samples[:, 0] * VOCAB + samples[:, 1]
-    counts.index_add_(0, flat, torch.ones(len(flat), dtype=torch.float64))
-    expected = exact.flatten().double() / exact.sum().double() * len(flat)
-    assert float(counts[expected == 0].sum()) == 0, "a sample the target gives probability 0"
-    big = expected >= merge_below
-    observed = torch.cat([counts[big], counts[~big].sum()[None]])
-    wanted = torch.cat([expected[big], expected[~big].sum()[None]])
-    assert int(big.sum()) >= 20, "too few cells for a meaningful test"
-    wanted = wanted * observed.sum() / wanted.sum()
-    return float(stats.chisquare(observed.numpy(), wanted.numpy()).pvalue)
-
-
-def chi_square_pvalue(samples: torch.Tensor, exact: torch.Tensor) -> float:
-    """The smaller p-value of the (t1, t2) and (t2, t3) pair tests, Bonferroni-corrected (x2)."""
-    first = pair_pvalue(samples[:, :2], exact.sum(dim=2))
-    second = pair_pvalue(samples[:, 1:], exact.sum(dim=0))
-    return min(1.0, 2 * min(first, second))
-
-
 CASES = [
     pytest.param(SamplingParams(temperature=1.0, seed=1), id="temperature-1"),
     pytest.param(SamplingParams(temperature=0.7, top_k=6, seed=2), id="top-k"),
@@ -146,7 +97,7 @@ def test_speculative_sampling_has_the_target_distribution(pair, params):
     target, draft = pair
     samples = speculative_samples(target, draft, params, "exact")
     assert len(samples) == SAMPLES
-    assert chi_square_pvalue(samples, exact_distribution(target.checkpoint.model, params)) > ALPHA
+    assert chi_square_pvalue(samples, exact_distribution(target.checkpoint.model, params, PROMPT)) > ALPHA
 
 
 @pytest.mark.parametrize("params", CASES[::2])
@@ -156,7 +107,7 @@ def test_per_sequence_draft_lengths_keep_the_target_distribution(floor_pair, par
     lengths = Counter()
     samples = speculative_samples(target, draft, params, "floor", lengths=lengths)
     assert all(lengths[n] > SAMPLES // 20 for n in (0, 1, 2)), f"proposal lengths not varied enough: {lengths}"
-    assert chi_square_pvalue(samples, exact_distribution(target.checkpoint.model, params)) > ALPHA
+    assert chi_square_pvalue(samples, exact_distribution(target.checkpoint.model, params, PROMPT)) > ALPHA
 
 
 def test_subset_vocabulary_draft_keeps_the_target_distribution(subset_pair):
@@ -165,7 +116,7 @@ def test_subset_vocabulary_draft_keeps_the_target_distribution(subset_pair):
     params = SamplingParams(temperature=1.0, seed=4)
     samples = speculative_samples(target, draft, params, "subset")
     assert (samples >= 20).any(), "no token outside the draft's subset: the correction path went untested"
-    assert chi_square_pvalue(samples, exact_distribution(target.checkpoint.model, params)) > ALPHA
+    assert chi_square_pvalue(samples, exact_distribution(target.checkpoint.model, params, PROMPT)) > ALPHA
 
 
 LOOKUP_PROMPT = list(range(1, VOCAB)) + [5]  # every token but EOS occurred, so every t1 has a lookup continuation
@@ -213,7 +164,7 @@ def test_broken_correction_rule_is_detected(pair, monkeypatch):
     params = CASES[0].values[0]
     monkeypatch.setattr(engine.sampling, "_correction_distribution", lambda p, q, rejected: p)
     samples = speculative_samples(target, draft, params, "broken")
-    assert chi_square_pvalue(samples, exact_distribution(target.checkpoint.model, params)) < ALPHA
+    assert chi_square_pvalue(samples, exact_distribution(target.checkpoint.model, params, PROMPT)) < ALPHA
 
 
 def test_same_seed_same_completions(pair):

@@ -72,12 +72,17 @@ def test_coordinator_counters_match_responses(served):
 def test_model_service_metrics(served):
     responses, coordinator, models = served
     rounds = value(coordinator, "specserve_rounds_total")
-    # The sampled request's batch runs plain rounds (the speculation gate measures them): no Propose in those.
+    # The sampled request's batch runs rounds without the draft (the speculation gate measures them), plain or
+    # verifying the coordinator's lookup tokens: no Propose in those.
     plain = value(coordinator, "specserve_plain_rounds_total")
-    assert 0 < plain < rounds
+    lookup = value(coordinator, "specserve_lookup_rounds_total")
+    assert 0 < plain + lookup < rounds
     assert plain == sum(r.usage.plain_rounds for r in responses)
-    assert [r.usage.plain_rounds for r in responses][::2] == [0, 0]  # greedy batches: speculative rounds only
-    for role, method, calls in (("draft", "Propose", rounds - plain), ("target", "Verify", rounds)):
+    assert lookup == sum(r.usage.lookup_rounds for r in responses)
+    for name in ("proposed", "accepted"):
+        assert value(coordinator, f"specserve_lookup_tokens_{name}_total") == sum(
+            getattr(r.usage, f"lookup_tokens_{name}") for r in responses)
+    for role, method, calls in (("draft", "Propose", rounds - plain - lookup), ("target", "Verify", rounds)):
         metrics = models[role]
         assert value(metrics, "specserve_model_calls_total", method=method, code="OK") == calls, role
         assert value(metrics, "specserve_model_calls_total", method="Prefill", code="OK") == len(responses), role

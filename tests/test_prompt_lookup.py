@@ -51,6 +51,25 @@ def test_lookup_equals_a_brute_force_search():
     assert hits > 500  # most cases found a continuation, across the prompt/generated boundary too
 
 
+def test_a_lookup_only_proposal_stops_at_the_confidence_floor_and_is_scored_whole():
+    """``confident`` keeps the tokens while confidence ** length >= floor (prior 3/4: 4 tokens at 0.3), and
+    ``settle`` scores the whole continuation, so a group whose proposals were cut to nothing regains them."""
+    lookup = PromptLookup(PromptNgrams([1, 2, 3, 4, 5, 6, 7, 8, 1, 2], 2, 2), LookupScore())
+    assert lookup.propose(8) == [3, 4, 5, 6, 7, 8, 1, 2]
+    assert lookup.confident(8, 0.3) == [3, 4, 5, 6]  # 0.75 ** 4 = 0.32 >= 0.3 > 0.75 ** 5
+    assert lookup.confident(2, 0.3) == [3, 4]
+    assert lookup.confident(8, 0.0) == [3, 4, 5, 6, 7, 8, 1, 2]
+    lookup.settle([9])  # the target disagreed at once: 1 tried, 0 accepted -> confidence 3/5
+    lookup.extend([9])
+    assert lookup.score.lookup_confidence == pytest.approx(3 / 5)
+    lookup.extend([1, 2])
+    assert lookup.confident(8, 0.7) == []  # 0.6 < 0.7: nothing proposed, yet scored:
+    lookup.settle([9, 1])  # the target confirmed what lookup found ([9, 1, 2] follows 1, 2 now)
+    assert (lookup.score.lookup_accepted, lookup.score.lookup_tried) == (2, 3)
+    assert lookup.score.lookup_confidence == pytest.approx(5 / 7)
+    assert lookup.confident(8, 0.7) == [9]
+
+
 def test_ngram_sizes_are_checked():
     with pytest.raises(ValueError, match="min_n"):
         PromptNgrams([1, 2], 3, 2)

@@ -43,7 +43,7 @@ class Completion(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "draft_tokens_proposed", "draft_tokens_accepted", "rounds", "draft_proposal_bytes", "cached_prompt_tokens", "plain_rounds")
+    __slots__ = ("prompt_tokens", "completion_tokens", "draft_tokens_proposed", "draft_tokens_accepted", "rounds", "draft_proposal_bytes", "cached_prompt_tokens", "plain_rounds", "lookup_rounds", "lookup_tokens_proposed", "lookup_tokens_accepted")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,9 @@ class Usage(_message.Message):
     DRAFT_PROPOSAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PLAIN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     draft_tokens_proposed: int
@@ -60,7 +63,10 @@ class Usage(_message.Message):
     draft_proposal_bytes: int
     cached_prompt_tokens: int
     plain_rounds: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_proposal_bytes: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., plain_rounds: _Optional[int] = ...) -> None: ...
+    lookup_rounds: int
+    lookup_tokens_proposed: int
+    lookup_tokens_accepted: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_proposal_bytes: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., plain_rounds: _Optional[int] = ..., lookup_rounds: _Optional[int] = ..., lookup_tokens_proposed: _Optional[int] = ..., lookup_tokens_accepted: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_wait_s", "time_to_first_token_s", "inter_token_latency_s", "total_s")
