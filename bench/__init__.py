@@ -10,5 +10,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tracing": ("bench.tracing", "request latency with span export on vs off"),
     "load": ("bench.load", "concurrent streaming clients against a live deployment"),
     "prefix": ("bench.prefix", "requests sharing a long system prompt: prefix cache on vs off, TTFT"),
+    "verify": ("bench.verify", "one target verify against the proposed tokens in it (vs a plain step)"),
 }
 

@@ -1,0 +1,106 @@
+"""What a target verify costs against the tokens in it: the curve that decides whether a proposal pays.
+
+One group of ``--rows`` sequences on the target (default: the default pair's), prefilled once with a held-out
+code prompt; then, for each extra-token count T in ``--extra``, a verify of the batch in which T proposed
+tokens (spread round-robin over the rows, each row's window its pending token plus its share) ride along
+with the rows' own tokens. T = 0 is a plain decode step. The calls are timed interleaved; each figure is the
+median of ``--repeats``, also as a ratio to the plain step. On a CPU the cost follows the GEMM's blocks of
+rows rather than the token count (the first tokens beyond a block cost nearly a block; docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench.prompts import code_prompts
+from bench.timing import host_info, time_interleaved
+from engine.batch import GroupInput
+from engine.checkpoint import load_checkpoint
+from engine.default_models import DefaultModelError, default_model
+from engine.sampling import SamplingParams, point_distribution
+from engine.target import TargetRuntime
+
+BATCH_ID = "bench-verify"
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``specserve bench verify``."""
+    parser.add_argument("--target-model", default=None,
+                        help="local HF checkpoint (default: the default pair's target, SmolLM2-135M-Instruct)")
+    parser.add_argument("--rows", type=int, default=8, help="sequences in the batch (one group)")
+    parser.add_argument("--extra", type=_int_list, default=[0, 1, 2, 4, 8, 9, 12, 16, 24, 32],
+                        help="comma-separated counts of proposed tokens per verify, over all rows (0: plain step)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy acceptance; > 0: rejection sampling against point distributions")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--dtype", default="float32", help="the target's dtype (float32, bfloat16)")
+    parser.add_argument("--json", help="write the results as JSON to this path")
+
+
+def shares(extra: int, rows: int) -> list[int]:
+    """``extra`` proposed tokens spread round-robin over ``rows`` rows (the first rows get one more)."""
+    return [extra // rows + (row < extra % rows) for row in range(rows)]
+
+
+def verify_costs(runtime: TargetRuntime, prompt: list[int], rows: int, extras: list[int], temperature: float,
+                 repeats: int) -> dict[int, float]:
+    """Median seconds of one verify of ``rows`` sequences carrying each count of ``extras`` proposed tokens.
+
+    The group is prefilled once with room for every call; each call appends to the rows' caches, so the
+    context grows by a few tokens per call (a negligible drift, the same for every count)."""
+    params = SamplingParams(temperature=temperature, seed=0)
+    ids = list(range(rows))
+    per_call = max(max(extras) // rows + 2, 2)
+    budget = per_call * (repeats + 1) * len(extras)
+    runtime.prefill(BATCH_ID, [GroupInput(0, prompt, ids, params, max_new_tokens=budget)])
+    token = prompt[-1]
+
+    def call(extra: int) -> None:
+        proposals = {}
+        for sequence, count in zip(ids, shares(extra, rows), strict=True):
+            proposals[sequence] = ([token] * count, [] if params.greedy else [point_distribution(token)] * count)
+        runtime.verify(BATCH_ID, proposals)
+
+    try:
+        return time_interleaved({extra: (lambda extra=extra: call(extra)) for extra in extras}, repeats)
+    finally:
+        runtime.release(BATCH_ID)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Time the verifies and print a markdown table (and JSON with ``--json``)."""
+    if args.rows < 1 or args.repeats < 1:
+        raise SystemExit("specserve bench verify: --rows and --repeats must be >= 1")
+    try:
+        model = args.target_model or str(default_model("target"))
+    except DefaultModelError as error:
+        raise SystemExit(str(error)) from error
+    checkpoint = load_checkpoint(model, dtype=args.dtype)
+    runtime = TargetRuntime(checkpoint)
+    prompt = code_prompts(checkpoint.tokenizer, 1)[0].token_ids
+    extras = sorted(set(args.extra) | {0})
+    costs = verify_costs(runtime, prompt, args.rows, extras, args.temperature, args.repeats)
+    plain = costs[0]
+    result = {"host": host_info(), "model": model, "dtype": args.dtype, "rows": args.rows,
+              "temperature": args.temperature, "repeats": args.repeats, "prompt_tokens": len(prompt),
+              "points": [{"extra_tokens": e, "tokens": args.rows + e, "ms": 1000 * costs[e],
+                          "vs_plain": costs[e] / plain} for e in extras]}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"{args.rows} rows, {len(prompt)}-token prompt, {args.dtype}, T = {args.temperature:g}, medians of "
+          f"{args.repeats}\n\n| proposed tokens | tokens in the verify | ms | vs a plain step |\n|---:|---:|---:|---:|")
+    for point in result["points"]:
+        print(f"| {point['extra_tokens']} | {point['tokens']} | {point['ms']:.1f} | {point['vs_plain']:.2f} |")
+    return 0

@@ -1,0 +1,38 @@
+"""`specserve bench verify` on a tiny random target: proposed tokens are spread over the rows, and every count
+is timed and reported against the plain step, greedy and sampled."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.verify import shares
+from specserve.cli import main
+
+
+def test_tokens_are_spread_round_robin():
+    assert shares(0, 3) == [0, 0, 0]
+    assert shares(5, 3) == [2, 2, 1]
+    assert shares(9, 8) == [2, 1, 1, 1, 1, 1, 1, 1]
+    assert sum(shares(17, 4)) == 17
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_bench_verify_reports_every_count_against_the_plain_step(checkpoints, tmp_path, temperature):
+    out = tmp_path / "verify.json"
+    status = main(["bench", "verify", "--target-model", str(checkpoints["llama"]), "--rows", "3",
+                   "--extra", "1,4,7", "--repeats", "2", "--temperature", temperature, "--json", str(out)])
+    assert status == 0
+    result = json.loads(out.read_text())
+    points = result["points"]
+    assert [p["extra_tokens"] for p in points] == [0, 1, 4, 7]  # the plain step is always measured
+    assert [p["tokens"] for p in points] == [3, 4, 7, 10]
+    assert points[0]["vs_plain"] == 1.0
+    assert all(p["ms"] > 0 and p["vs_plain"] > 0 for p in points)
+    assert result["rows"] == 3 and result["prompt_tokens"] > 0 and result["host"]["cpu_count"] > 0
+
+
+def test_bench_verify_rejects_an_empty_batch(checkpoints):
+    with pytest.raises(SystemExit, match="--rows"):
+        main(["bench", "verify", "--target-model", str(checkpoints["llama"]), "--rows", "0"])
