@@ -24,7 +24,7 @@ Which mixes it judges is a mode (``serve coordinator --speculation-gate off|samp
 default, gates both mixes; ``sampled`` gates batches with a sampled sequence and always runs the first kind
 available (the draft's) for all-greedy ones; ``off`` always runs the first. Its remaining weakness: a kind's
 figure is set by the rounds it ran, and a request's first rounds, before prompt lookup has earned trust, are
-its worst, so with short requests it can pick a slower kind (docs/benchmarks.md, runs E–J).
+its worst, so with short requests it can pick a slower kind (docs/benchmarks.md, runs E–M).
 """
 
 from __future__ import annotations
