@@ -61,16 +61,17 @@ def test_lookup_rounds_without_a_draft_give_hf_greedy_output(deployments, checkp
 def test_a_draft_catches_up_on_what_lookup_rounds_accepted(deployments, checkpoints):
     """With the gate on and probes from every 2nd round, draft-free rounds run between draft rounds and verify
     lookup tokens; the draft (the target itself) hears of the accepted ones as catch-up, so nearly all it
-    proposes is still accepted, and the output is HF's."""
+    proposes is still accepted, and the output is HF's. (Which kind each round is depends on the measured
+    speeds, so the counts are summed over the requests.)"""
     deployment = deployments("llama", "llama", "--speculation-gate", "--speculation-probe-every", "2")
     jobs = repeating_jobs()
     responses = generate_all(coordinator_stub(deployment.coordinator_address), jobs)
     for (prompt, _), response in zip(jobs, responses, strict=True):
         expected = greedy(checkpoints["llama"], prompt, MAX_NEW, None)
         assert all(list(c.token_ids) == expected for c in response.completions)
-        usage = response.usage
-        assert usage.draft_tokens_accepted >= 0.9 * usage.draft_tokens_proposed > 0
-    assert sum(r.usage.lookup_tokens_accepted for r in responses) > 0
+    usage = [r.usage for r in responses]
+    assert sum(u.draft_tokens_accepted for u in usage) >= 0.9 * sum(u.draft_tokens_proposed for u in usage) > 0
+    assert sum(u.lookup_tokens_accepted for u in usage) > 0
 
 
 @pytest.fixture(scope="module")
