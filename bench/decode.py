@@ -22,22 +22,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from bench.arguments import int_list
 from bench.timing import expanded_baseline, format_bytes, host_info, kernel_setup, time_interleaved
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.replace(" ", "").split(",") if v]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive ints, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the options of ``specserve bench decode``."""
-    parser.add_argument("--samples", type=_int_list, default=[1, 4, 16, 32], help="comma-separated n values")
-    parser.add_argument("--context", type=_int_list, default=[1024, 4096, 8192],
+    parser.add_argument("--samples", type=int_list, default=[1, 4, 16, 32], help="comma-separated n values")
+    parser.add_argument("--context", type=int_list, default=[1024, 4096, 8192],
                         help="comma-separated prompt lengths")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)

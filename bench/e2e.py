@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from bench.arguments import int_list
 from bench.prompts import code_prompts
 from bench.speculative import RunStats, engine_bass, engine_batched, hf_assistant, hf_assisted, hf_generate
 from bench.timing import format_bytes, host_info, time_interleaved_samples
@@ -88,13 +89,6 @@ BASS = "d_bass_adaptive"  # the configuration the bars are judged on (the coordi
 Output = list[list[list[int]]]  # [prompt][sample] -> token ids
 
 
-def _int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.replace(" ", "").split(",") if v]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive ints, got {text!r}")
-    return values
-
-
 def _float_list(text: str) -> list[float]:
     values = [float(v) for v in text.replace(" ", "").split(",") if v]
     if not values or min(values) < 0:
@@ -113,7 +107,7 @@ def _system_list(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the options of ``specserve bench e2e``."""
     add_model_pair_arguments(parser)
-    parser.add_argument("--n", type=_int_list, default=[1, 2, 4, 8, 16], help="comma-separated samples per prompt")
+    parser.add_argument("--n", type=int_list, default=[1, 2, 4, 8, 16], help="comma-separated samples per prompt")
     parser.add_argument("--temperatures", type=_float_list, default=[0.0, 0.8], help="comma-separated; 0 = greedy")
     parser.add_argument("--draft-len", type=int, default=4, help="fixed k, and the adaptive rule's initial k")
     parser.add_argument("--max-draft-len", type=int, default=8, help="upper bound of the adaptive k")

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.arguments import int_list
 from bench.load import Observation, run_load, stream_one
 from bench.prompts import heldout_files
 from bench.synthetic import LlamaShape, save_synthetic_llama
@@ -43,16 +44,9 @@ from specserve.v1 import coordinator_pb2, coordinator_pb2_grpc
 MODES = ("off", "on")
 
 
-def _int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive ints, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``specserve bench prefix``."""
-    parser.add_argument("--system-tokens", type=_int_list, default=[1024, 2048, 4096, 8192],
+    parser.add_argument("--system-tokens", type=int_list, default=[1024, 2048, 4096, 8192],
                         help="comma-separated lengths of the shared system prompt")
     parser.add_argument("--requests", type=int, default=16, help="concurrent requests sharing the system prompt")
     parser.add_argument("--n", type=int, default=8, help="samples per request")

@@ -14,6 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
+from bench.arguments import non_negative_int_list
 from bench.prompts import code_prompts
 from bench.timing import host_info, time_interleaved
 from engine.batch import GroupInput
@@ -25,22 +26,12 @@ from engine.target import TargetRuntime
 BATCH_ID = "bench-verify"
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``specserve bench verify``."""
     parser.add_argument("--target-model", default=None,
                         help="local HF checkpoint (default: the default pair's target, SmolLM2-135M-Instruct)")
     parser.add_argument("--rows", type=int, default=8, help="sequences in the batch (one group)")
-    parser.add_argument("--extra", type=_int_list, default=[0, 1, 2, 4, 8, 9, 12, 16, 24, 32],
+    parser.add_argument("--extra", type=non_negative_int_list, default=[0, 1, 2, 4, 8, 9, 12, 16, 24, 32],
                         help="comma-separated counts of proposed tokens per verify, over all rows (0: plain step)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy acceptance; > 0: rejection sampling against point distributions")

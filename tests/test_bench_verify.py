@@ -3,12 +3,23 @@ is timed and reported against the plain step, greedy and sampled."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
+from bench.arguments import int_list, non_negative_int_list
 from bench.verify import shares
 from specserve.cli import main
+
+
+def test_list_flags_parse_integers_at_or_above_their_minimum():
+    assert int_list("1, 2,4") == [1, 2, 4] and non_negative_int_list("0,3") == [0, 3]
+    for bad in ("", "0,1", "a,2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            int_list(bad)
+    with pytest.raises(argparse.ArgumentTypeError):
+        non_negative_int_list("-1")
 
 
 def test_tokens_are_spread_round_robin():
