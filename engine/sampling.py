@@ -56,6 +56,7 @@ __all__ = [
 ]
 
 _FP16_LE = np.dtype("<f2")
+_CANDIDATES = (64, 2048)  # how many of a row's most probable tokens top-k/top-p ranks, until they decide it
 
 
 @dataclass(frozen=True)
@@ -138,14 +139,13 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     probs = torch.softmax(xs, dim=-1)
     top_k = [params[i].top_k for i in sample_rows]
     top_p = [params[i].top_p for i in sample_rows]
-    needs = [j for j in range(len(sample_rows)) if 0 < top_k[j] < vocab or top_p[j] < 1.0]
-    if needs:
+    top_k = [k if 0 < k < vocab else 0 for k in top_k]
+    needs = [j for j in range(len(sample_rows)) if top_k[j] or top_p[j] < 1.0]
+    if len(needs) == len(sample_rows):
+        _filter_top_k_top_p(probs, top_k, top_p)
+    elif needs:
         sub = torch.tensor(needs, dtype=torch.long, device=device)
-        probs[sub] = _filter_top_k_top_p(
-            probs[sub],
-            torch.tensor([top_k[j] for j in needs], dtype=torch.long, device=device),
-            torch.tensor([top_p[j] for j in needs], dtype=torch.float64, device=device),
-        )
+        probs[sub] = _filter_top_k_top_p(probs[sub], [top_k[j] for j in needs], [top_p[j] for j in needs])
     if not greedy_rows:
         return probs
     out = torch.zeros((n_rows, vocab), dtype=torch.float32, device=device)
@@ -160,22 +160,74 @@ def _argmax_one_hots(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros(x.shape, dtype=torch.float32, device=x.device).scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
 
 
-def _filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-k then top-p filtering of normalized rows ``[R, V]``, renormalized (per-row k and p)."""
-    vocab = probs.shape[-1]
-    # Stable descending sort: among equal probabilities the lower token id ranks first.
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
-    keep = ~((top_k > 0).unsqueeze(-1) & (rank >= top_k.unsqueeze(-1)))
-    sorted_p = sorted_p * keep
-    # Top-p over the (implicitly renormalized) top-k distribution: keep rank r iff the mass strictly before
-    # it is below top_p * total, i.e. the minimal prefix whose mass reaches top_p. Rank 0 always passes.
-    mass = sorted_p.double().cumsum(dim=-1)
+def _filter_top_k_top_p(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
+    """Top-k then top-p filtering of normalized rows ``[R, V]`` in place, renormalized (per-row k, 0 for none,
+    and p); returns ``probs``. Masses are float64 sums in rank (or id) order.
+
+    Tokens rank by probability, ties towards the lower token id. Top-k keeps the ``top_k`` first ranks; top-p
+    then keeps rank r iff the mass of the kept ranks before it is below ``top_p`` times the mass top-p is
+    measured against (the top-k ranks' under top-k, else the row's), i.e. the shortest prefix reaching
+    ``top_p`` (rank 0 always). A row is ranked by its most probable tokens alone (``_CANDIDATES``, then more)
+    as soon as they decide it (``_nucleus``), at the latest by a sort of the whole row; either way a row's
+    result depends on that row alone, bit for bit.
+    """
+    n_rows, vocab = probs.shape
+    k = torch.tensor(top_k, dtype=torch.long, device=probs.device)
+    p = torch.tensor(top_p, dtype=torch.float64, device=probs.device)
+    total = probs.double().cumsum(dim=-1)[:, -1]  # a scan: the same bits whatever the other rows
+    rows = torch.arange(n_rows, device=probs.device)
+    flat_ids, kept_vals = [], []
+    for candidates in (*_CANDIDATES, vocab):
+        width = min(vocab, max(candidates, max(top_k) + 1))
+        vals, ids = _most_probable(probs if len(rows) == n_rows else probs[rows], width)
+        kept, decided = _nucleus(vals, k[rows], p[rows], total[rows], whole_row=width == vocab)
+        kept = (vals * kept).double()
+        flat_ids.append((ids + (rows * vocab).unsqueeze(-1))[decided].flatten())
+        kept_vals.append((kept / kept.cumsum(dim=-1)[:, -1:]).float()[decided].flatten())
+        rows = rows[~decided]
+        if not rows.numel():
+            break
+    flat = probs.view(-1)
+    flat.zero_()
+    flat[torch.cat(flat_ids)] = torch.cat(kept_vals)
+    return probs
+
+
+def _most_probable(probs: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, ids) [R, width]``: each row's ``width`` most probable tokens in rank order (ties: lower id
+    first). Among tokens tied with the last one, which make it in is unspecified below the whole row."""
+    if width == probs.shape[-1]:
+        return torch.sort(probs, dim=-1, descending=True, stable=True)
+    vals, ids = torch.topk(probs, width, dim=-1)  # ties in any order
+    ids, by_id = ids.sort(dim=-1)
+    vals = vals.gather(-1, by_id)
+    ranked = vals.sort(dim=-1, descending=True, stable=True).indices
+    return vals.gather(-1, ranked), ids.gather(-1, ranked)
+
+
+def _nucleus(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, total: torch.Tensor, whole_row: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kept [R, W] bool, decided [R] bool)`` for rows' W most probable tokens ``ranked`` in rank order.
+
+    ``kept``: the ranks top-k then top-p keep (``total``: each row's mass, used where ``top_k`` is 0).
+    ``decided``: whether those W ranks settle the row exactly as its whole sorted row would (always, with
+    ``whole_row``): under top-k, when the k-th probability is not tied with the next one (the top-k set and
+    its mass are then the W ranks' own); under top-p alone, when the last kept probability exceeds the W-th
+    (every token at least as probable as the kept ones is then among the W, in its rank).
+    """
+    width = ranked.shape[-1]
+    rank = torch.arange(width, device=ranked.device)
+    in_k = (top_k == 0).unsqueeze(-1) | (rank < top_k.unsqueeze(-1))
+    mass = (ranked * in_k).double().cumsum(dim=-1)
+    total = torch.where(top_k > 0, mass[:, -1], total)
     before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=-1)
-    keep &= before < top_p.unsqueeze(-1) * mass[:, -1:]
-    sorted_p = sorted_p * keep
-    filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return filtered / filtered.sum(dim=-1, keepdim=True)
+    kept = in_k & (before < (top_p * total).unsqueeze(-1))
+    if whole_row:
+        return kept, torch.ones_like(top_k, dtype=torch.bool)
+    at_k = top_k.clamp(min=1, max=width - 1).unsqueeze(-1)
+    untied_k = ranked.gather(-1, at_k - 1).squeeze(-1) > ranked.gather(-1, at_k).squeeze(-1)
+    last_kept = ranked.gather(-1, (kept.sum(dim=-1, keepdim=True) - 1)).squeeze(-1)
+    return kept, torch.where(top_k > 0, untied_k, last_kept > ranked[:, -1])
 
 
 def _uniforms(generators: Sequence[torch.Generator], count: int, used: Sequence[int] | None = None) -> torch.Tensor:

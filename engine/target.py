@@ -11,7 +11,14 @@ from opentelemetry import trace
 from engine.batch import GroupInput, SequenceState, pad_windows
 from engine.errors import InvalidInput
 from engine.runtime import ModelRuntime
-from engine.sampling import CompactDistribution, greedy_accept, process_logits, sample, verify_proposals
+from engine.sampling import (
+    CompactDistribution,
+    SamplingParams,
+    greedy_accept,
+    process_logits,
+    sample,
+    verify_proposals,
+)
 
 _tracer = trace.get_tracer("specserve.engine")
 
@@ -98,10 +105,8 @@ class TargetRuntime(ModelRuntime):
             accepted[index], nxt[index] = a.cpu(), c.cpu()
         if sampling:
             index = torch.tensor(sampling)
-            sub = _rows(logits, index)
-            params = [states[i].params for i in sampling for _ in range(width)]
-            target_probs = process_logits(sub.reshape(len(sampling) * width, vocab), params).view(
-                len(sampling), width, vocab)
+            target_probs = _window_probs(_rows(logits, index), draft_lens[index],
+                                         [states[i].params for i in sampling])
             draft_probs = None
             if width > 1:
                 dense = torch.zeros(len(sampling), width - 1, vocab)
@@ -114,6 +119,23 @@ class TargetRuntime(ModelRuntime):
                                     [states[i].generator for i in sampling])
             accepted[index], nxt[index] = a.cpu(), c.cpu()
         return accepted, nxt
+
+
+def _window_probs(logits: torch.Tensor, draft_lens: torch.Tensor, params: Sequence[SamplingParams]
+                  ) -> torch.Tensor:
+    """Processed distributions ``[B, K+1, V]`` of the windows' logits ``[B, K+1, V]``: row b's first
+    ``draft_lens[b] + 1`` positions (its proposal's and the bonus), zeros at its padding, which no
+    verification reads."""
+    rows, width, vocab = logits.shape
+    used = torch.arange(width).unsqueeze(0) <= draft_lens.cpu().unsqueeze(-1)  # [B, K+1]
+    if bool(used.all()):
+        return process_logits(logits.reshape(rows * width, vocab),
+                              [p for p in params for _ in range(width)]).view(rows, width, vocab)
+    row, position = used.nonzero(as_tuple=True)
+    probs = torch.zeros((rows, width, vocab), dtype=torch.float32, device=logits.device)
+    probs[row, position] = process_logits(logits[row.to(logits.device), position.to(logits.device)],
+                                          [params[b] for b in row.tolist()])
+    return probs
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

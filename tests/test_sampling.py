@@ -191,6 +191,48 @@ def test_tiny_temperature_does_not_overflow() -> None:
     assert probs.tolist() == [[0.0, 1.0, 0.0]]
 
 
+def _sorted_filter(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The definition of top-k then top-p on one row by a stable sort of the whole row: the oracle (masses
+    summed in float64, in rank order, the row's in id order)."""
+    ranked, order = torch.sort(probs, descending=True, stable=True)
+    if top_k:
+        ranked = ranked * (torch.arange(probs.numel()) < top_k)
+    mass = ranked.double().cumsum(0)
+    total = mass[-1] if top_k else probs.double().cumsum(0)[-1]
+    before = torch.cat([mass.new_zeros(1), mass[:-1]])
+    kept = (ranked * (before < top_p * total)).double()
+    return torch.zeros_like(probs).scatter_(0, order, (kept / kept.cumsum(0)[-1]).float())
+
+
+def _row_cases() -> list[tuple[torch.Tensor, int, float]]:
+    """Rows that the first candidates decide and rows they do not: peaked and flat logits, ties across the
+    k-th rank and across the nucleus' end, a nucleus near the whole row, the default target's vocabulary."""
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    for vocab in (49152, 7169, 50):
+        for scale in (0.3, 3.0, 12.0):
+            logits = torch.randn(vocab, generator=g) * scale
+            for top_k, top_p in ((0, 0.95), (0, 0.5), (0, 0.999), (5, 1.0), (40, 0.9), (1000, 0.95)):
+                cases.append((logits, min(top_k, vocab - 1), top_p))
+                cases.append(((logits * 2).round() / 2, min(top_k, vocab - 1), top_p))  # many ties
+    uniform = torch.zeros(49152)
+    cases += [(uniform, 0, 0.5), (uniform, 100, 0.3), (uniform, 0, 0.9999)]  # every token tied
+    return cases
+
+
+def test_top_k_top_p_equal_a_sort_of_the_whole_row_bit_for_bit() -> None:
+    cases = _row_cases()
+    expected = [_sorted_filter(torch.softmax(logits, -1), k, p) for logits, k, p in cases]
+    for (logits, k, p), want in zip(cases, expected, strict=True):
+        got = process_logits(logits[None], [SamplingParams(temperature=1.0, top_k=k, top_p=p)])[0]
+        assert torch.equal(got, want), (logits.numel(), k, p)
+    for vocab in (49152, 7169, 50):  # one batch of mixed rows gives each row what it gets alone
+        batch = [(logits, k, p) for logits, k, p in cases if logits.numel() == vocab]
+        got = process_logits(torch.stack([logits for logits, _, _ in batch]),
+                             [SamplingParams(temperature=1.0, top_k=k, top_p=p) for _, k, p in batch])
+        want = torch.stack([w for w, (logits, _, _) in zip(expected, cases, strict=True) if logits.numel() == vocab])
+        assert torch.equal(got, want)
+
 # --------------------------------------------------------------------------------------------------------
 # sample
 # --------------------------------------------------------------------------------------------------------
