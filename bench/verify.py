@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated counts of proposed tokens per verify, over all rows (0: plain step)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy acceptance; > 0: rejection sampling against point distributions")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus filter of the sampled rows (1: off)")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k filter of the sampled rows (0: off)")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--dtype", default="float32", help="the target's dtype (float32, bfloat16)")
     parser.add_argument("--json", help="write the results as JSON to this path")
@@ -45,13 +47,12 @@ def shares(extra: int, rows: int) -> list[int]:
     return [extra // rows + (row < extra % rows) for row in range(rows)]
 
 
-def verify_costs(runtime: TargetRuntime, prompt: list[int], rows: int, extras: list[int], temperature: float,
+def verify_costs(runtime: TargetRuntime, prompt: list[int], rows: int, extras: list[int], params: SamplingParams,
                  repeats: int) -> dict[int, float]:
     """Median seconds of one verify of ``rows`` sequences carrying each count of ``extras`` proposed tokens.
 
     The group is prefilled once with room for every call; each call appends to the rows' caches, so the
     context grows by a few tokens per call (a negligible drift, the same for every count)."""
-    params = SamplingParams(temperature=temperature, seed=0)
     ids = list(range(rows))
     per_call = max(max(extras) // rows + 2, 2)
     budget = per_call * (repeats + 1) * len(extras)
@@ -82,15 +83,22 @@ def run(args: argparse.Namespace) -> int:
     runtime = TargetRuntime(checkpoint)
     prompt = code_prompts(checkpoint.tokenizer, 1)[0].token_ids
     extras = sorted(set(args.extra) | {0})
-    costs = verify_costs(runtime, prompt, args.rows, extras, args.temperature, args.repeats)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=0)
+    try:
+        params.validate()
+    except ValueError as error:
+        raise SystemExit(f"specserve bench verify: {error}") from error
+    costs = verify_costs(runtime, prompt, args.rows, extras, params, args.repeats)
     plain = costs[0]
     result = {"host": host_info(), "model": model, "dtype": args.dtype, "rows": args.rows,
-              "temperature": args.temperature, "repeats": args.repeats, "prompt_tokens": len(prompt),
+              "temperature": args.temperature, "top_p": args.top_p,
+              "top_k": args.top_k, "repeats": args.repeats, "prompt_tokens": len(prompt),
               "points": [{"extra_tokens": e, "tokens": args.rows + e, "ms": 1000 * costs[e],
                           "vs_plain": costs[e] / plain} for e in extras]}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"{args.rows} rows, {len(prompt)}-token prompt, {args.dtype}, T = {args.temperature:g}, medians of "
+    print(f"{args.rows} rows, {len(prompt)}-token prompt, {args.dtype}, T = {args.temperature:g}, top-p "
+          f"{args.top_p:g}, top-k {args.top_k}, medians of "
           f"{args.repeats}\n\n| proposed tokens | tokens in the verify | ms | vs a plain step |\n|---:|---:|---:|---:|")
     for point in result["points"]:
         print(f"| {point['extra_tokens']} | {point['tokens']} | {point['ms']:.1f} | {point['vs_plain']:.2f} |")

@@ -29,13 +29,16 @@ def test_tokens_are_spread_round_robin():
     assert sum(shares(17, 4)) == 17
 
 
-@pytest.mark.parametrize("temperature", ["0", "0.8"])
-def test_bench_verify_reports_every_count_against_the_plain_step(checkpoints, tmp_path, temperature):
+@pytest.mark.parametrize(("sampling", "recorded"), [
+    (["--temperature", "0"], [0.0, 1.0, 0]), (["--temperature", "0.8"], [0.8, 1.0, 0]),
+    (["--temperature", "0.8", "--top-p", "0.9", "--top-k", "20"], [0.8, 0.9, 20])])
+def test_bench_verify_reports_every_count_against_the_plain_step(checkpoints, tmp_path, sampling, recorded):
     out = tmp_path / "verify.json"
     status = main(["bench", "verify", "--target-model", str(checkpoints["llama"]), "--rows", "3",
-                   "--extra", "1,4,7", "--repeats", "2", "--temperature", temperature, "--json", str(out)])
+                   "--extra", "1,4,7", "--repeats", "2", *sampling, "--json", str(out)])
     assert status == 0
     result = json.loads(out.read_text())
+    assert [result["temperature"], result["top_p"], result["top_k"]] == recorded
     points = result["points"]
     assert [p["extra_tokens"] for p in points] == [0, 1, 4, 7]  # the plain step is always measured
     assert [p["tokens"] for p in points] == [3, 4, 7, 10]
@@ -44,6 +47,8 @@ def test_bench_verify_reports_every_count_against_the_plain_step(checkpoints, tm
     assert result["rows"] == 3 and result["prompt_tokens"] > 0 and result["host"]["cpu_count"] > 0
 
 
-def test_bench_verify_rejects_an_empty_batch(checkpoints):
+def test_bench_verify_rejects_an_empty_batch_and_bad_sampling(checkpoints):
     with pytest.raises(SystemExit, match="--rows"):
         main(["bench", "verify", "--target-model", str(checkpoints["llama"]), "--rows", "0"])
+    with pytest.raises(SystemExit, match="top_p must be in"):
+        main(["bench", "verify", "--target-model", str(checkpoints["llama"]), "--temperature", "0.8", "--top-p", "0"])
