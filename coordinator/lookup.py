@@ -54,9 +54,7 @@ class LookupProposer:
     def confirm(self, sequence_id: int, tokens: Sequence[int]) -> None:
         """Extend the sequence's context by the tokens the target confirmed this round (accepted proposal
         tokens, then its own), scoring the round's lookup continuation against them."""
-        context = self._contexts[sequence_id]
-        context.settle(tokens)
-        context.extend(tokens)
+        self._contexts[sequence_id].advance(tokens)
 
     def forget(self, sequence_ids: Sequence[int]) -> None:
         """Drop the contexts of finished sequences."""

@@ -81,8 +81,7 @@ def apply_verdict(state: SequenceState, accepted_len: int, next_token: int,
         state.pending = state.pending + list(catch_up) + [next_token]
     if state.lookup is not None:
         confirmed = [*proposed[:accepted_len], *catch_up, next_token]
-        state.lookup.settle(None if catch_up else confirmed)
-        state.lookup.extend(confirmed)
+        state.lookup.advance(confirmed, scored=not catch_up)
     state.proposed = []
 
 

@@ -132,6 +132,12 @@ class PromptLookup:
                 self.score.lookup_accepted += 1
         self._disputed, self._found = None, []
 
+    def advance(self, confirmed: Sequence[int], scored: bool = True) -> None:
+        """The round's outcome: score the last proposal against the ``confirmed`` tokens (``settle``; not when
+        ``scored`` is False, e.g. tokens the sequence missed rounds for), then append them (``extend``)."""
+        self.settle(confirmed if scored else None)
+        self.extend(confirmed)
+
     def extend(self, tokens: Sequence[int]) -> None:
         """Append confirmed tokens (accepted by the target) to the context."""
         before = len(self)

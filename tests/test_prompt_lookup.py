@@ -59,8 +59,7 @@ def test_a_lookup_only_proposal_stops_at_the_confidence_floor_and_is_scored_whol
     assert lookup.confident(8, 0.3) == [3, 4, 5, 6]  # 0.75 ** 4 = 0.32 >= 0.3 > 0.75 ** 5
     assert lookup.confident(2, 0.3) == [3, 4]
     assert lookup.confident(8, 0.0) == [3, 4, 5, 6, 7, 8, 1, 2]
-    lookup.settle([9])  # the target disagreed at once: 1 tried, 0 accepted -> confidence 3/5
-    lookup.extend([9])
+    lookup.advance([9])  # the target disagreed at once: 1 tried, 0 accepted -> confidence 3/5
     assert lookup.score.lookup_confidence == pytest.approx(3 / 5)
     lookup.extend([1, 2])
     assert lookup.confident(8, 0.7) == []  # 0.6 < 0.7: nothing proposed, yet scored:
@@ -138,3 +137,14 @@ def test_lookup_confidence_scores_continuations_proposed_or_not():
     assert score.lookup_confidence == pytest.approx((1 + 3) / (2 + 4))
     lookup.settle([3])  # no proposal since: nothing to score
     assert score.lookup_tried == 2
+
+
+def test_advance_scores_the_proposal_unless_told_not_to_and_extends_the_context_either_way():
+    """``advance`` is ``settle`` then ``extend``; with ``scored=False`` (tokens from rounds the sequence missed)
+    the last proposal is dropped unscored."""
+    for scored, tried in ((True, 1), (False, 0)):
+        lookup = PromptLookup(PromptNgrams([1, 2, 3, 1, 2], 2, 2), LookupScore())
+        assert lookup.confident(4, 0.0) == [3, 1, 2]
+        lookup.advance([7, 1, 2], scored=scored)
+        assert (lookup.score.lookup_accepted, lookup.score.lookup_tried) == (0, tried)
+        assert len(lookup) == 8 and lookup.propose(2) == [7, 1]  # [1, 2] last followed by 7 now
