@@ -232,6 +232,13 @@ def test_top_k_top_p_equal_a_sort_of_the_whole_row_bit_for_bit() -> None:
                              [SamplingParams(temperature=1.0, top_k=k, top_p=p) for _, k, p in batch])
         want = torch.stack([w for w, (logits, _, _) in zip(expected, cases, strict=True) if logits.numel() == vocab])
         assert torch.equal(got, want)
+        # ... also beside a row that filters nothing and a greedy row (only the filtered rows are filtered)
+        plain = batch[0][0]
+        got = process_logits(torch.stack([plain, *[logits for logits, _, _ in batch], plain]),
+                             [SamplingParams(temperature=1.0), *[SamplingParams(temperature=1.0, top_k=k, top_p=p)
+                                                                 for _, k, p in batch], SamplingParams()])
+        assert torch.equal(got[0], torch.softmax(plain, -1)) and torch.equal(got[1:-1], want)
+        assert got[-1].tolist() == torch.nn.functional.one_hot(plain.argmax(), vocab).float().tolist()
 
 # --------------------------------------------------------------------------------------------------------
 # sample
