@@ -75,6 +75,11 @@ def run(args: argparse.Namespace) -> int:
     """Time the verifies and print a markdown table (and JSON with ``--json``)."""
     if args.rows < 1 or args.repeats < 1:
         raise SystemExit("specserve bench verify: --rows and --repeats must be >= 1")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=0)
+    try:
+        params.validate()
+    except ValueError as error:
+        raise SystemExit(f"specserve bench verify: {error}") from error
     try:
         model = args.target_model or str(default_model("target"))
     except DefaultModelError as error:
@@ -83,11 +88,6 @@ def run(args: argparse.Namespace) -> int:
     runtime = TargetRuntime(checkpoint)
     prompt = code_prompts(checkpoint.tokenizer, 1)[0].token_ids
     extras = sorted(set(args.extra) | {0})
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=0)
-    try:
-        params.validate()
-    except ValueError as error:
-        raise SystemExit(f"specserve bench verify: {error}") from error
     costs = verify_costs(runtime, prompt, args.rows, extras, params, args.repeats)
     plain = costs[0]
     result = {"host": host_info(), "model": model, "dtype": args.dtype, "rows": args.rows,
