@@ -174,7 +174,10 @@ def _filter_top_k_top_p(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequen
     n_rows, vocab = probs.shape
     k = torch.tensor(top_k, dtype=torch.long, device=probs.device)
     p = torch.tensor(top_p, dtype=torch.float64, device=probs.device)
-    total = probs.double().cumsum(dim=-1)[:, -1]  # a scan: the same bits whatever the other rows
+    if 0 in top_k:  # the row's mass, for top-p alone: a scan, the same bits whatever the other rows
+        total = probs.double().cumsum(dim=-1)[:, -1]
+    else:  # under top-k the mass is the top-k ranks' own (``_nucleus``): no row needs the scan
+        total = torch.zeros(n_rows, dtype=torch.float64, device=probs.device)
     rows = torch.arange(n_rows, device=probs.device)
     flat_ids, kept_vals = [], []
     for candidates in (*_CANDIDATES, vocab):
