@@ -10,9 +10,10 @@ Pipeline for one generated position of one sequence:
    fp16 probabilities) and then samples from ``CompactDistribution.to_dense()`` -- exactly the
    distribution ``q`` it transmits to the target.
 3. The target rebuilds ``q`` from the same bytes (``to_dense`` is deterministic) and runs
-   ``verify_proposals``: token ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; at
+   ``verify_windows``: token ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; at
    the first rejection the next token is drawn from ``norm(max(0, p_i - q_i))``; if every proposed token is
-   accepted a bonus token is drawn from ``p_k``.
+   accepted a bonus token is drawn from ``p_k``. ``p_i`` and ``q_i`` are built only for the positions a row
+   reaches (``verify_proposals`` is the same decision on distributions built already).
 
 Why this is lossless: speculative sampling (Leviathan et al. 2023; Chen et al. 2023) yields tokens
 distributed exactly according to ``p`` for **any** draft distribution ``q``, provided the ``q`` used in
@@ -23,7 +24,7 @@ no distributions at all: a draft token is accepted iff it equals the target's ar
 
 Randomness: every sequence owns one CPU ``torch.Generator`` per role (``sequence_generator``), and every
 call consumes a number of uniforms per sampling row fixed by that row's own proposal (``sample``: 1;
-``verify_proposals``: k_b + 1 for a proposal of k_b tokens), independently of what was accepted, so
+``verify_windows``: k_b + 1 for a proposal of k_b tokens), independently of what was accepted, so
 results are reproducible and a row's outcome does not depend on the other rows of the batch. The
 uniforms are drawn on the CPU and moved to the probabilities' device, so a seed gives the same stream
 whether the model runs on the CPU or on a GPU.
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +54,7 @@ __all__ = [
     "sample",
     "sequence_generator",
     "verify_proposals",
+    "verify_windows",
 ]
 
 _FP16_LE = np.dtype("<f2")
@@ -368,17 +370,6 @@ def draft_distribution(probs: torch.Tensor, greedy: bool) -> tuple[torch.Tensor,
     return compact.to_dense(probs.shape[-1]).to(probs.device), compact
 
 
-def _correction_distribution(p: torch.Tensor, q: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
-    """Distribution of the token emitted after the accepted prefix (rows ``[S, V]``, unnormalized).
-
-    Rejected rows: the residual ``max(0, p - q)`` (or ``p`` if it has no mass, i.e. ``p == q``
-    numerically). Fully accepted rows: ``p`` itself (the bonus token).
-    """
-    residual = (p - q).clamp_min(0.0)
-    use_residual = rejected & (residual.double().sum(dim=-1) > 0)
-    return torch.where(use_residual.unsqueeze(-1), residual, p)
-
-
 def greedy_accept(top: torch.Tensor, draft_tokens: torch.Tensor, draft_lens: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification; returns ``(accepted_len [B], next_token [B])`` int64 on ``top``'s device.
@@ -397,6 +388,11 @@ def greedy_accept(top: torch.Tensor, draft_tokens: torch.Tensor, draft_lens: tor
     return accepted_len, top.gather(1, accepted_len.unsqueeze(-1)).squeeze(-1)
 
 
+WindowDistributions = Callable[[torch.Tensor, int], torch.Tensor]
+"""``(rows, position) -> [len(rows), V]`` float32: the distributions of the batch rows ``rows`` (int64, on the
+host) at one window position. ``verify_windows`` asks only for the positions a row reaches."""
+
+
 def verify_proposals(
     target_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -405,92 +401,115 @@ def verify_proposals(
     greedy: torch.Tensor,
     generators: Sequence[torch.Generator],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decide a batch of speculative proposals; return ``(accepted_len [B], next_token [B])`` int64.
+    """Decide a batch of speculative proposals from dense distributions; return ``(accepted_len [B], next_token
+    [B])`` int64 on ``target_probs``' device. ``verify_windows`` with the distributions built already.
 
     ``target_probs [B, K+1, V]``: processed target distributions (position ``i`` predicts draft token
     ``i``, position ``K`` is the bonus). ``draft_tokens [B, K]`` padded, ``draft_lens [B]`` with
     ``0 <= k_b <= K``; positions ``>= k_b`` are ignored. ``draft_probs [B, K, V]``: the dense ``q`` each
     draft token was drawn from (ignored for greedy rows; may be ``None`` if no sampling row proposes).
+    """
+    if target_probs.ndim != 3:
+        raise ValueError(f"target_probs must be [B, K+1, V], got shape {tuple(target_probs.shape)}")
+    batch, window, vocab = target_probs.shape
+    if window < 1:
+        raise ValueError("target_probs needs at least one window position")
+    if draft_probs is not None and tuple(draft_probs.shape) != (batch, window - 1, vocab):
+        raise ValueError(f"draft_probs must be [{batch}, {window - 1}, {vocab}], got {tuple(draft_probs.shape)}")
+    if tuple(draft_tokens.shape) != (batch, window - 1):
+        raise ValueError(f"draft_tokens must be [{batch}, {window - 1}], got {tuple(draft_tokens.shape)}")
+
+    def rows_of(probs: torch.Tensor) -> WindowDistributions:
+        return lambda rows, position: probs[rows.to(probs.device), position]
+
+    accepted, next_token = verify_windows(rows_of(target_probs), None if draft_probs is None else rows_of(draft_probs),
+                                          draft_tokens, draft_lens, greedy, generators, vocab)
+    return accepted.to(target_probs.device), next_token.to(target_probs.device)
+
+
+def verify_windows(
+    target_probs: WindowDistributions,
+    draft_probs: WindowDistributions | None,
+    draft_tokens: torch.Tensor,
+    draft_lens: torch.Tensor,
+    greedy: torch.Tensor,
+    generators: Sequence[torch.Generator],
+    vocab_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decide a batch of speculative proposals; return ``(accepted_len [B], next_token [B])`` int64 on the host.
+
+    ``target_probs(rows, i)``: the rows' processed target distributions at window position ``i`` (position
+    ``i`` predicts draft token ``i``, position ``k_b`` is row b's bonus); ``draft_probs(rows, i)``: the dense
+    ``q`` their draft token ``i`` was drawn from (unused for greedy rows; may be ``None`` if no sampling row
+    proposes). ``draft_tokens [B, K]`` padded, ``draft_lens [B]`` with ``0 <= k_b <= K``; positions ``>= k_b``
+    are ignored.
 
     Greedy rows accept the longest prefix matching the target argmax and emit the argmax at the first
     mismatch (or at ``k_b``). Sampling rows use the lossless rule: accept ``x_i`` iff
     ``u_i < p_i(x_i) / q_i(x_i)`` (never if ``q_i(x_i) == 0``), then emit a token from the residual
     ``norm(max(0, p_j - q_j))`` at the first rejection ``j`` or from ``p_{k_b}`` if all were accepted; the
-    emitted tokens are then distributed exactly as the target's processed distributions. Each sampling
-    row consumes exactly ``k_b + 1`` uniforms from its own generator per call (the first for the emitted
-    token, the next ``k_b`` for the acceptance tests), so its outcome and its generator's state depend on
-    its own proposal only, not on the other rows of the batch; greedy rows consume none.
-    ``0 <= accepted_len <= k_b``.
+    emitted tokens are then distributed exactly as the target's processed distributions. A sampling row's
+    distributions are asked for position by position up to where it stops (its first rejection or its bonus),
+    never beyond: what the test decides does not depend on later positions. Each sampling row consumes exactly
+    ``k_b + 1`` uniforms from its own generator per call (the first for the emitted token, the next ``k_b`` for
+    the acceptance tests), so its outcome and its generator's state depend on its own proposal only, not on
+    the other rows of the batch; greedy rows consume none. ``0 <= accepted_len <= k_b``.
     """
-    if target_probs.ndim != 3:
-        raise ValueError(f"target_probs must be [B, K+1, V], got shape {tuple(target_probs.shape)}")
-    batch, window, vocab = target_probs.shape
-    k_max = window - 1
-    if k_max < 0:
-        raise ValueError("target_probs needs at least one window position")
-    if tuple(draft_tokens.shape) != (batch, k_max):
-        raise ValueError(f"draft_tokens must be [{batch}, {k_max}], got {tuple(draft_tokens.shape)}")
+    batch, k_max = draft_tokens.shape
     if tuple(draft_lens.shape) != (batch,) or tuple(greedy.shape) != (batch,):
         raise ValueError(f"draft_lens and greedy must be [{batch}]")
     if len(generators) != batch:
         raise ValueError(f"need one generator per row: {len(generators)} for {batch} rows")
-    device = target_probs.device
-    lens = draft_lens.to(device=device, dtype=torch.long)
+    lens = draft_lens.to(device="cpu", dtype=torch.long)
     if bool(((lens < 0) | (lens > k_max)).any()):
         raise ValueError(f"draft_lens must be in [0, {k_max}]")
-    is_greedy = greedy.to(device=device, dtype=torch.bool)
-
-    valid = torch.arange(k_max, device=device).unsqueeze(0) < lens.unsqueeze(-1)  # [B, K]
-    tokens = torch.where(valid, draft_tokens.to(device=device, dtype=torch.long), 0)
-    if bool(((tokens < 0) | (tokens >= vocab)).any()):
-        raise ValueError(f"draft token id out of range [0, {vocab})")
-    p_window = target_probs[:, :k_max]  # [B, K, V]
-    accept = torch.zeros((batch, k_max), dtype=torch.bool, device=device)
-    next_token = torch.zeros(batch, dtype=torch.long, device=device)
-
-    greedy_list = is_greedy.tolist()
-    g_rows = [b for b in range(batch) if greedy_list[b]]
-    s_rows = [b for b in range(batch) if not greedy_list[b]]
-    g_idx = torch.tensor(g_rows, dtype=torch.long, device=device)
-    s_idx = torch.tensor(s_rows, dtype=torch.long, device=device)
-
-    if g_rows:
-        g_accepted, g_next = greedy_accept(target_probs[g_idx].argmax(dim=-1), tokens[g_idx], lens[g_idx])
-
-    u_final = None
-    if s_rows:
-        u = _uniforms([generators[b] for b in s_rows], k_max + 1, (lens[s_idx] + 1).tolist()).to(device)
-        u_final, u_accept = u[:, 0], u[:, 1:]
-        proposing = bool((lens[s_idx] > 0).any())
-        if proposing and draft_probs is None:
-            raise ValueError("draft_probs is required when a sampling row proposes tokens")
-        if draft_probs is not None and tuple(draft_probs.shape) != (batch, k_max, vocab):
-            raise ValueError(
-                f"draft_probs must be [{batch}, {k_max}, {vocab}], got {tuple(draft_probs.shape)}"
-            )
-        if proposing:
+    valid = torch.arange(k_max).unsqueeze(0) < lens.unsqueeze(-1)  # [B, K]
+    tokens = torch.where(valid, draft_tokens.to(device="cpu", dtype=torch.long), 0)
+    if bool(((tokens < 0) | (tokens >= vocab_size)).any()):
+        raise ValueError(f"draft token id out of range [0, {vocab_size})")
+    is_greedy = greedy.to(device="cpu", dtype=torch.bool)
+    accepted = torch.zeros(batch, dtype=torch.long)
+    next_token = torch.zeros(batch, dtype=torch.long)
+    g_rows = is_greedy.nonzero().squeeze(-1)
+    if g_rows.numel():
+        top = torch.stack([target_probs(g_rows, i).argmax(dim=-1).cpu() for i in range(k_max + 1)], dim=1)
+        accepted[g_rows], next_token[g_rows] = greedy_accept(top, tokens[g_rows], lens[g_rows])
+    live = (~is_greedy).nonzero().squeeze(-1)  # sampling rows that accepted every token so far
+    if not live.numel():
+        return accepted, next_token
+    if draft_probs is None and bool((lens[live] > 0).any()):
+        raise ValueError("draft_probs is required when a sampling row proposes tokens")
+    u = torch.zeros((batch, k_max + 1), dtype=torch.float64)
+    u[live] = _uniforms([generators[b] for b in live.tolist()], k_max + 1, (lens[live] + 1).tolist())
+    for position in range(k_max + 1):
+        p = target_probs(live, position)  # [L, V]
+        proposes = lens[live] > position
+        stops = ~proposes
+        if bool(proposes.any()):
             assert draft_probs is not None
-            s_tokens = tokens[s_idx].unsqueeze(-1)
-            p_x = p_window[s_idx].gather(-1, s_tokens).squeeze(-1).double()
-            q_x = draft_probs[s_idx].to(device).gather(-1, s_tokens).squeeze(-1).double()
+            testing = live[proposes]
+            q = draft_probs(testing, position).to(p.device)
+            x = tokens[testing, position].to(p.device).unsqueeze(-1)
+            p_x = p[proposes.to(p.device)].gather(-1, x).squeeze(-1).double()
+            q_x = q.gather(-1, x).squeeze(-1).double()
             # u < min(1, p/q) with u in [0, 1) is u < p/q; written as u * q < p to avoid dividing.
-            accept[s_idx] = (q_x > 0) & (u_accept * q_x < p_x)
+            taken = ((q_x > 0) & (u[testing, position + 1].to(p.device) * q_x < p_x)).cpu()
+            rejected = proposes.nonzero().squeeze(-1)[~taken]
+            if rejected.numel():
+                p = p.clone()
+                p[rejected.to(p.device)] = _residual(p[rejected.to(p.device)], q[~taken.to(p.device)])
+                stops[rejected] = True
+        ending = live[stops]
+        accepted[ending] = position
+        next_token[ending] = _inverse_cdf(p[stops.to(p.device)], u[ending, 0]).cpu()
+        live = live[~stops]
+        if not live.numel():
+            break
+    return accepted, next_token
 
-    accept &= valid
-    accepted_len = accept.long().cumprod(dim=-1).sum(dim=-1)  # length of the all-accepted prefix
 
-    if g_rows:
-        accepted_len[g_idx] = g_accepted
-        next_token[g_idx] = g_next
-    if s_rows:
-        assert u_final is not None
-        pos = accepted_len[s_idx]
-        p_next = target_probs[s_idx, pos]
-        rejected = pos < lens[s_idx]
-        if draft_probs is not None and k_max > 0:
-            q_next = draft_probs[s_idx, pos.clamp(max=k_max - 1)].to(device)
-            final = _correction_distribution(p_next, q_next, rejected)
-        else:  # no row proposes: every row takes its bonus token from p
-            final = p_next
-        next_token[s_idx] = _inverse_cdf(final, u_final)
-    return accepted_len, next_token
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The distribution to draw from after a rejection (rows ``[S, V]``, unnormalized): ``max(0, p - q)``, or
+    ``p`` where that has no mass (``p == q`` numerically)."""
+    residual = (p - q).clamp_min(0.0)
+    return torch.where((residual.double().sum(dim=-1) > 0).unsqueeze(-1), residual, p)

@@ -13,11 +13,10 @@ from engine.errors import InvalidInput
 from engine.runtime import ModelRuntime
 from engine.sampling import (
     CompactDistribution,
-    SamplingParams,
     greedy_accept,
     process_logits,
     sample,
-    verify_proposals,
+    verify_windows,
 )
 
 _tracer = trace.get_tracer("specserve.engine")
@@ -92,7 +91,7 @@ class TargetRuntime(ModelRuntime):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(accepted_len [B], next_token [B]) on the host for the rows' windows (``logits`` [B, K+1, V]):
         greedy rows from the logits' argmax alone, sampling rows by lossless rejection sampling over their
-        processed distributions (only those rows' distributions are built)."""
+        processed distributions, built only for the positions each row reaches (up to its first rejection)."""
         rows, width, vocab = logits.shape
         accepted = torch.zeros(rows, dtype=torch.long)
         nxt = torch.zeros(rows, dtype=torch.long)
@@ -105,37 +104,21 @@ class TargetRuntime(ModelRuntime):
             accepted[index], nxt[index] = a.cpu(), c.cpu()
         if sampling:
             index = torch.tensor(sampling)
-            target_probs = _window_probs(_rows(logits, index), draft_lens[index],
-                                         [states[i].params for i in sampling])
-            draft_probs = None
-            if width > 1:
-                dense = torch.zeros(len(sampling), width - 1, vocab)
-                for row, i in enumerate(sampling):
-                    for position, dist in enumerate(distributions[i]):
-                        dense[row, position] = dist.to_dense(vocab)
-                draft_probs = dense.to(logits.device)
-            a, c = verify_proposals(target_probs, draft_tokens[index], draft_lens[index], draft_probs,
-                                    torch.zeros(len(sampling), dtype=torch.bool),
-                                    [states[i].generator for i in sampling])
-            accepted[index], nxt[index] = a.cpu(), c.cpu()
+            window = _rows(logits, index)
+            params = [states[i].params for i in sampling]
+            proposed = [distributions[i] for i in sampling]
+
+            def target_probs(rows: torch.Tensor, position: int) -> torch.Tensor:
+                return process_logits(window[rows.to(window.device), position], [params[r] for r in rows.tolist()])
+
+            def draft_probs(rows: torch.Tensor, position: int) -> torch.Tensor:
+                return torch.stack([proposed[r][position].to_dense(vocab) for r in rows.tolist()])
+
+            a, c = verify_windows(target_probs, draft_probs, draft_tokens[index], draft_lens[index],
+                                  torch.zeros(len(sampling), dtype=torch.bool),
+                                  [states[i].generator for i in sampling], vocab)
+            accepted[index], nxt[index] = a, c
         return accepted, nxt
-
-
-def _window_probs(logits: torch.Tensor, draft_lens: torch.Tensor, params: Sequence[SamplingParams]
-                  ) -> torch.Tensor:
-    """Processed distributions ``[B, K+1, V]`` of the windows' logits ``[B, K+1, V]``: row b's first
-    ``draft_lens[b] + 1`` positions (its proposal's and the bonus), zeros at its padding, which no
-    verification reads."""
-    rows, width, vocab = logits.shape
-    used = torch.arange(width).unsqueeze(0) <= draft_lens.cpu().unsqueeze(-1)  # [B, K+1]
-    if bool(used.all()):
-        return process_logits(logits.reshape(rows * width, vocab),
-                              [p for p in params for _ in range(width)]).view(rows, width, vocab)
-    row, position = used.nonzero(as_tuple=True)
-    probs = torch.zeros((rows, width, vocab), dtype=torch.float32, device=logits.device)
-    probs[row, position] = process_logits(logits[row.to(logits.device), position.to(logits.device)],
-                                          [params[b] for b in row.tolist()])
-    return probs
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

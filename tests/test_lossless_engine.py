@@ -162,7 +162,7 @@ def test_broken_correction_rule_is_detected(pair, monkeypatch):
     """Sampling the correction token from p instead of norm(max(0, p - q)) biases the output."""
     target, draft = pair
     params = CASES[0].values[0]
-    monkeypatch.setattr(engine.sampling, "_correction_distribution", lambda p, q, rejected: p)
+    monkeypatch.setattr(engine.sampling, "_residual", lambda p, q: p)
     samples = speculative_samples(target, draft, params, "broken")
     assert chi_square_pvalue(samples, exact_distribution(target.checkpoint.model, params, PROMPT)) < ALPHA
 

@@ -29,6 +29,7 @@ from engine.sampling import (
     sample,
     sequence_generator,
     verify_proposals,
+    verify_windows,
 )
 
 ALPHA = 1e-3
@@ -428,6 +429,37 @@ def test_verify_is_deterministic_and_rows_are_independent() -> None:
         assert other[0][2] == alone[0][0] and other[1][2] == alone[1][0]
 
 
+def _recording(asked: set[tuple[int, int]], probs: torch.Tensor):
+    """A ``verify_windows`` distribution source over dense ``probs`` that notes each (row, position) asked for."""
+    def rows_at(rows: torch.Tensor, position: int) -> torch.Tensor:
+        asked.update((row, position) for row in rows.tolist())
+        return probs[rows, position]
+    return rows_at
+
+
+def test_verify_windows_builds_only_the_positions_a_sampling_row_reaches() -> None:
+    """The lazy verify decides what the dense one decides, bit for bit, and asks for a sampling row's target
+    distributions at positions 0..accepted_len only and for its draft's at the positions it tested (a rejection
+    or the bonus ends the row); greedy rows are asked for at every position (their argmax)."""
+    k, vocab = 4, 9
+    for trial in range(40):
+        target, tokens, lens, draft, greedy = _random_verify_inputs(6, k, vocab, seed=100 + trial)
+        tokens[:, :2] = target[:, :2].argmax(dim=-1)  # some long accepted prefixes
+        asked: dict[str, set[tuple[int, int]]] = {"target": set(), "draft": set()}
+        seeds = [sequence_generator(trial, i, "target") for i in range(6)]
+        twins = [sequence_generator(trial, i, "target") for i in range(6)]
+        lazy = verify_windows(_recording(asked["target"], target), _recording(asked["draft"], draft), tokens, lens,
+                              greedy, seeds, vocab)
+        dense = verify_proposals(target, tokens, lens, draft, greedy, twins)
+        assert [t.tolist() for t in lazy] == [t.tolist() for t in dense], trial
+        accepted = lazy[0].tolist()
+        for row in range(6):
+            reached = range(k + 1) if greedy[row] else range(accepted[row] + 1)
+            assert {at for r, at in asked["target"] if r == row} == set(reached), (trial, row)
+            tested = set() if greedy[row] else {at for at in reached if at < lens[row]}
+            assert {at for r, at in asked["draft"] if r == row} == tested, (trial, row)
+
+
 def test_verify_consumes_the_rows_own_proposal_length_plus_one_uniforms() -> None:
     """Per sampling row k_b + 1 uniforms, whatever the other rows proposed (the batch's window K)."""
     k, vocab = 3, 8
@@ -578,7 +610,7 @@ def test_exactness_check_rejects_always_accept() -> None:
 
 def test_exactness_check_rejects_correction_from_p(monkeypatch: pytest.MonkeyPatch) -> None:
     """After a rejection, sampling from p instead of the residual max(0, p - q) biases the output."""
-    monkeypatch.setattr(sampling, "_correction_distribution", lambda p, q, rejected: p)
+    monkeypatch.setattr(sampling, "_residual", lambda p, q: p)
     params = EXACTNESS_CASES["top_k_5"]
     p_pairs, p_third = _pvalues(params, _speculate(params))
     assert min(p_pairs, p_third) < ALPHA, (p_pairs, p_third)
