@@ -11,10 +11,12 @@ REPLACEMENT_CHAR = "\ufffd"
 
 @dataclass
 class Delta:
-    """What a round added to a sample: new token ids, and the finish reason once finished."""
+    """What a round added to a sample: new token ids (and their logprobs, when asked for), and the finish
+    reason once finished."""
 
     token_ids: list[int]
     finish_reason: str
+    logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -28,6 +30,7 @@ class SampleOutput:
     stop: list[str]
     codec: TextCodec
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # one per token id, when the request asked for them
     finish_reason: str = ""
     _text: str | None = None
     _emitted: str = ""
@@ -47,20 +50,25 @@ class SampleOutput:
         if not self.finish_reason:
             self.finish_reason = reason
 
-    def extend(self, tokens: list[int]) -> Delta:
-        """Append tokens the target accepted, up to the first stopping rule; return what is new."""
+    def extend(self, tokens: list[int], logprobs: list[float] | None = None) -> Delta:
+        """Append tokens the target accepted (with their ``logprobs``, one per token, when given), up to the
+        first stopping rule; return what is new. Raises ValueError when ``logprobs`` does not match ``tokens``."""
+        if logprobs is not None and len(logprobs) != len(tokens):
+            raise ValueError(f"{len(logprobs)} logprobs for {len(tokens)} tokens")
         start = len(self.token_ids)
-        for token in tokens:
+        for position, token in enumerate(tokens):
             if self.finished:
                 break
             self.token_ids.append(token)
+            if logprobs is not None:
+                self.logprobs.append(logprobs[position])
             if token in self.eos_token_ids:
                 self.finish("eos")
             elif self.stop and self._hit_stop():
                 self.finish("stop")
             elif len(self.token_ids) >= self.max_new_tokens:
                 self.finish("length")
-        return Delta(self.token_ids[start:], self.finish_reason)
+        return Delta(self.token_ids[start:], self.finish_reason, self.logprobs[start:])
 
     def _hit_stop(self) -> bool:
         text = self.codec.decode(self.token_ids)

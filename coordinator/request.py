@@ -65,7 +65,7 @@ class Request:
             self.streamed = True
             self.chunks.put_nowait(coordinator_pb2.GenerateChunk(
                 index=sample.index, token_ids=delta.token_ids, text=sample.take_text(),
-                finish_reason=delta.finish_reason))
+                finish_reason=delta.finish_reason, token_logprobs=delta.logprobs))
 
     def timing(self) -> coordinator_pb2.Timing:
         """Queue wait, time to first token, mean inter-token latency and total time, in seconds."""

@@ -198,7 +198,7 @@ class Scheduler:
         spec = request.spec
         return model_pb2.GroupSpec(group_id=request.group_id, prompt_token_ids=spec.prompt_token_ids,
                                    sequence_ids=sequence_ids, sampling=sampling_to_proto(spec.sampling),
-                                   max_new_tokens=spec.max_new_tokens)
+                                   max_new_tokens=spec.max_new_tokens, logprobs=spec.logprobs)
 
     def _timeout(self, request: Request, limit: float) -> float:
         if request.deadline is None:
@@ -255,7 +255,8 @@ class Scheduler:
             self._samples[token.sequence_id] = (request, sample)
             self._updates[token.sequence_id] = (0, token.token_id)
             self._held.add(token.sequence_id)
-            request.record(sample, sample.extend([token.token_id]))
+            request.record(sample, sample.extend([token.token_id],
+                                                 [token.logprob] if token.HasField("logprob") else None))
         self._batch_tokens += self._tokens(request)
         self._running.append(request)
         if request.finished:
@@ -490,7 +491,7 @@ class Scheduler:
             in_round[id(request)] = request
             if tokens and kind != "draft":
                 with_lookup.add(id(request))
-            request.record(sample, sample.extend(confirmed))
+            request.record(sample, sample.extend(confirmed, list(verdict.logprobs) or None))
         for key, request in in_round.items():
             request.usage.rounds += 1
             request.usage.lookup_rounds += key in with_lookup

@@ -121,7 +121,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             if job.error is not None:
                 await self._abort(context, call, *job.error)
             completions = [coordinator_pb2.Completion(index=s.index, token_ids=s.token_ids, text=s.text,
-                                                      finish_reason=s.finish_reason) for s in job.samples]
+                                                      finish_reason=s.finish_reason, token_logprobs=s.logprobs,
+                                                      cumulative_logprob=sum(s.logprobs)) for s in job.samples]
             return coordinator_pb2.GenerateResponse(completions=completions, usage=job.usage, timing=job.timing())
         except BaseException as exc:
             error = exc

@@ -41,6 +41,7 @@ class GenerationSpec:
     sampling: SamplingParams
     stop: list[str]
     ignore_eos: bool
+    logprobs: bool = False
 
 
 def validate_request(request: coordinator_pb2.GenerateRequest, limits: Limits, codec: TextCodec) -> GenerationSpec:
@@ -86,4 +87,4 @@ def validate_request(request: coordinator_pb2.GenerateRequest, limits: Limits, c
     sampling = SamplingParams(temperature=float(request.temperature), top_p=float(top_p), top_k=request.top_k,
                               seed=request.seed)
     return GenerationSpec(prompt_token_ids=prompt, n=n, max_new_tokens=max_new, sampling=sampling,
-                          stop=list(request.stop), ignore_eos=request.ignore_eos)
+                          stop=list(request.stop), ignore_eos=request.ignore_eos, logprobs=request.logprobs)

@@ -33,6 +33,7 @@ class SequenceState:
     pending: list[int] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)
     lookup: PromptLookup | None = None
+    logprobs: bool = False  # the target reports the log-probability of each token it confirms
 
 
 @dataclass
@@ -44,6 +45,7 @@ class GroupInput:
     sequence_ids: list[int]
     params: SamplingParams
     max_new_tokens: int
+    logprobs: bool = False  # target: report each emitted token's log-probability
 
 
 class Batch:

@@ -26,7 +26,7 @@ from engine.batch import Batch, GroupInput, SequenceState, pad_windows
 from engine.checkpoint import Checkpoint
 from engine.errors import InvalidInput
 from engine.prompt_lookup import DEFAULT_NGRAM_SIZES, LookupScore, PromptLookup, PromptNgrams, check_ngram_sizes
-from engine.runtime import ModelRuntime
+from engine.runtime import ModelRuntime, Prefilled
 from engine.sampling import (
     CompactDistribution,
     SamplingParams,
@@ -108,14 +108,13 @@ class DraftRuntime(ModelRuntime):
         self._support = None if token_map is None else token_map.mapped_ids.sort().values
         self._support_ids = None if self._support is None else self._support.cpu().numpy()
 
-    def _start_sequences(self, group: GroupInput, states: Sequence[SequenceState], logits: torch.Tensor
-                         ) -> dict[int, int]:
+    def _start_sequences(self, group: GroupInput, states: Sequence[SequenceState], logits: torch.Tensor,
+                         result: Prefilled) -> None:
         if self.prompt_lookup is not None:
             ngrams = PromptNgrams(group.prompt_token_ids, *self.prompt_lookup)  # one index for the n samples
             score = LookupScore()  # and one score: lookup or the model, for this request
             for state in states:
                 state.lookup = PromptLookup(ngrams, score)
-        return {}
 
     def _apply_verdicts(self, batch: Batch, updates: dict[int, tuple[int, int, Sequence[int]]]) -> None:
         """Check last round's verdicts (every live sequence once, token ids in the vocabulary) and apply them."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,11 +31,13 @@ SPECULATION_MARGIN = 16
 
 @dataclass
 class Prefilled:
-    """What a prefill did: each new sequence's first token (the target's; {} from the draft) and, per
-    group, how many prompt tokens came from the prefix cache instead of being computed."""
+    """What a prefill did: each new sequence's first token (the target's; {} from the draft), its
+    log-probability for groups that asked (``GroupInput.logprobs``), and, per group, how many prompt tokens
+    came from the prefix cache instead of being computed."""
 
     first_tokens: dict[int, int]
     cached_tokens: dict[int, int]
+    first_logprobs: dict[int, float] = field(default_factory=dict)
 
 
 class ModelRuntime:
@@ -265,18 +267,18 @@ class ModelRuntime:
                 len(prompt), len(group.sequence_ids), group.max_new_tokens, deepest.tokens)
         own = deepest.tokens - start
         states = [
-            SequenceState(sid, group.group_id, group.params, sequence_generator(group.params.seed, index, self.role))
+            SequenceState(sid, group.group_id, group.params, sequence_generator(group.params.seed, index, self.role),
+                          logprobs=group.logprobs)
             for index, sid in enumerate(group.sequence_ids)
         ]
         batch.add(states, [k[:, own:] for k in keys], [v[:, own:] for v in values], deepest.span)
-        result.first_tokens.update(self._start_sequences(group, states, logits))
+        self._start_sequences(group, states, logits, result)
         result.cached_tokens[group.group_id] = start
 
-    def _start_sequences(self, group: GroupInput, states: Sequence[SequenceState], logits: torch.Tensor
-                         ) -> dict[int, int]:
-        """Hook run on a group's new sequences after its prefill (``logits``: the prompt's last position);
-        returns {sequence id: first token} for the role that picks them (the target)."""
-        return {}
+    def _start_sequences(self, group: GroupInput, states: Sequence[SequenceState], logits: torch.Tensor,
+                         result: Prefilled) -> None:
+        """Hook run on a group's new sequences after its prefill (``logits``: the prompt's last position); the
+        role that picks first tokens (the target) records them, and their logprobs, in ``result``."""
 
     def release(self, batch_id: str, sequence_ids: Iterable[int] = ()) -> int:
         """Release sequences of a batch, or the whole batch when none are given. Returns the count."""

@@ -53,6 +53,7 @@ __all__ = [
     "process_logits",
     "sample",
     "sequence_generator",
+    "token_logprobs",
     "verify_proposals",
     "verify_windows",
 ]
@@ -155,6 +156,15 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     out[gidx] = _argmax_one_hots(x[gidx])
     out[idx] = probs
     return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> list[float]:
+    """``log_softmax(logits[r])[tokens[r]]`` for each row of ``logits [R, V]`` (``tokens [R]``), in float32 on the
+    host: a token's log-probability under the model's own distribution, before temperature, top-k and top-p
+    (what re-ranking scores completions by; vLLM's and OpenAI's default)."""
+    x = logits.float()
+    picked = x.gather(-1, tokens.to(device=x.device, dtype=torch.long).unsqueeze(-1)).squeeze(-1)
+    return (picked - torch.logsumexp(x, dim=-1)).cpu().tolist()
 
 
 def _argmax_one_hots(x: torch.Tensor) -> torch.Tensor:

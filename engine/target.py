@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from opentelemetry import trace
 
 from engine.batch import GroupInput, SequenceState, pad_windows
 from engine.errors import InvalidInput
-from engine.runtime import ModelRuntime
+from engine.runtime import ModelRuntime, Prefilled
 from engine.sampling import (
     CompactDistribution,
     greedy_accept,
     process_logits,
     sample,
+    token_logprobs,
     verify_windows,
 )
 
@@ -29,6 +30,8 @@ class Verdict:
     sequence_id: int
     accepted_len: int
     next_token_id: int
+    # with ``GroupInput.logprobs``: the model's log-probability of each accepted token, then of the next one
+    logprobs: list[float] = field(default_factory=list)
 
 
 class TargetRuntime(ModelRuntime):
@@ -36,14 +39,16 @@ class TargetRuntime(ModelRuntime):
 
     role = "target"
 
-    def _start_sequences(self, group: GroupInput, states: Sequence[SequenceState], logits: torch.Tensor
-                         ) -> dict[int, int]:
+    def _start_sequences(self, group: GroupInput, states: Sequence[SequenceState], logits: torch.Tensor,
+                         result: Prefilled) -> None:
         params = [s.params for s in states]
-        probs = process_logits(logits[None].expand(len(states), -1), params)
-        first = sample(probs, [s.generator for s in states]).tolist()
-        for state, token in zip(states, first, strict=True):
+        rows = logits[None].expand(len(states), -1)
+        first = sample(process_logits(rows, params), [s.generator for s in states])
+        logprobs = token_logprobs(rows, first) if group.logprobs else []
+        for state, token in zip(states, first.tolist(), strict=True):
             state.pending = [token]
-        return {s.sequence_id: t for s, t in zip(states, first, strict=True)}
+            result.first_tokens[state.sequence_id] = token
+        result.first_logprobs.update(zip(group.sequence_ids, logprobs, strict=False))
 
     def _check_proposal(self, state: SequenceState, tokens: list[int],
                         distributions: list[CompactDistribution]) -> None:
@@ -79,11 +84,13 @@ class TargetRuntime(ModelRuntime):
             with _tracer.start_as_current_span("target.accept"):  # no-op unless the service traces
                 accepted, nxt = self._decide(states, [dists for _, dists in ordered], logits, tokens[:, 1:],
                                              widths - 1)
+            accepted_lens, next_tokens = accepted.tolist(), nxt.tolist()
+            logprobs = _confirmed_logprobs(states, logits, tokens, accepted_lens, next_tokens)
             verdicts = []
-            for state, a, c in zip(states, accepted.tolist(), nxt.tolist(), strict=True):
+            for row, (state, a, c) in enumerate(zip(states, accepted_lens, next_tokens, strict=True)):
                 state.decoded += 1 + a
                 state.pending = [c]
-                verdicts.append(Verdict(state.sequence_id, a, c))
+                verdicts.append(Verdict(state.sequence_id, a, c, logprobs.get(row, [])))
             return verdicts
 
     def _decide(self, states: Sequence[SequenceState], distributions: Sequence[list[CompactDistribution]],
@@ -119,6 +126,28 @@ class TargetRuntime(ModelRuntime):
                                   [states[i].generator for i in sampling], vocab)
             accepted[index], nxt[index] = a, c
         return accepted, nxt
+
+
+def _confirmed_logprobs(states: Sequence[SequenceState], logits: torch.Tensor, windows: torch.Tensor,
+                        accepted: list[int], next_tokens: list[int]) -> dict[int, list[float]]:
+    """{row: log-probabilities of its confirmed tokens} for the rows whose sequences asked for logprobs: window
+    position i (``logits [B, W, V]``) scores the row's draft token i (``windows[:, i + 1]``) for the accepted
+    ones and then the next token at position ``accepted``."""
+    rows, positions, tokens = [], [], []
+    for row, state in enumerate(states):
+        if state.logprobs:
+            count = accepted[row] + 1
+            rows += [row] * count
+            positions += range(count)
+            tokens += [*windows[row, 1:count].tolist(), next_tokens[row]]
+    if not rows:
+        return {}
+    index = torch.tensor(rows, device=logits.device), torch.tensor(positions, device=logits.device)
+    values = token_logprobs(logits[index], torch.tensor(tokens))
+    out: dict[int, list[float]] = {}
+    for row, value in zip(rows, values, strict=True):
+        out.setdefault(row, []).append(value)
+    return out
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

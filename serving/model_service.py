@@ -61,7 +61,7 @@ def group_from_proto(group: model_pb2.GroupSpec) -> GroupInput:
     """A group to prefill, from its wire form."""
     return GroupInput(group_id=group.group_id, prompt_token_ids=list(group.prompt_token_ids),
                       sequence_ids=list(group.sequence_ids), params=sampling_from_proto(group.sampling),
-                      max_new_tokens=group.max_new_tokens)
+                      max_new_tokens=group.max_new_tokens, logprobs=group.logprobs)
 
 
 class ModelServicer:
@@ -122,7 +122,8 @@ class ModelServicer:
             span.set_attribute("specserve.kv_bytes", kv_bytes)
             span.set_attribute("specserve.cached_prompt_tokens", sum(done.cached_tokens.values()))
         return model_pb2.PrefillResponse(
-            first_tokens=[model_pb2.SequenceToken(sequence_id=s, token_id=t) for s, t in done.first_tokens.items()],
+            first_tokens=[model_pb2.SequenceToken(sequence_id=s, token_id=t, logprob=done.first_logprobs.get(s))
+                          for s, t in done.first_tokens.items()],
             kv_bytes=kv_bytes,
             cached_tokens=[model_pb2.GroupCachedTokens(group_id=g, tokens=n) for g, n in done.cached_tokens.items()],
         )

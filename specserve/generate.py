@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--logprobs", action="store_true",
+                        help="return each token's log-probability under the target; samples print their sum and mean")
     parser.add_argument("--timeout", type=float, default=600.0, help="request deadline (s)")
     parser.add_argument("--json", action="store_true", help="print the response as JSON")
     parser.add_argument("--tls-ca")
@@ -37,13 +39,16 @@ def request_from_args(args: argparse.Namespace) -> coordinator_pb2.GenerateReque
     """The GenerateRequest the flags describe."""
     return coordinator_pb2.GenerateRequest(
         prompt=args.prompt, n=args.n, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs)
 
 
 def print_response(response: coordinator_pb2.GenerateResponse, prompt: str) -> None:
     """Human-readable completions and usage."""
     for completion in response.completions:
-        print(f"--- sample {completion.index} ({completion.finish_reason}, {len(completion.token_ids)} tokens)")
+        total, count = completion.cumulative_logprob, len(completion.token_logprobs)
+        score = f", logprob {total:.3f} (mean {total / count:.3f})" if count else ""
+        print(f"--- sample {completion.index} ({completion.finish_reason}, {len(completion.token_ids)} tokens{score})")
         print(prompt + completion.text)
     usage = response.usage
     rate = usage.draft_tokens_accepted / usage.draft_tokens_proposed if usage.draft_tokens_proposed else 0.0

@@ -39,7 +39,7 @@ class TargetServicer(ModelServicer, model_pb2_grpc.TargetModelServicer):
                                  "specserve.kv_bytes": kv_bytes})
         return model_pb2.VerifyResponse(
             verdicts=[model_pb2.Verdict(sequence_id=v.sequence_id, accepted_len=v.accepted_len,
-                                        next_token_id=v.next_token_id) for v in verdicts],
+                                        next_token_id=v.next_token_id, logprobs=v.logprobs) for v in verdicts],
             kv_bytes=kv_bytes,
         )
 

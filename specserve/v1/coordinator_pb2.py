@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1especserve/v1/coordinator.proto\x12\x0cspecserve.v1\"\xf3\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0e\n\x01n\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\x04\n\x02_nB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_p\"S\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\"\xb0\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x03 \x01(\x05\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x04 \x01(\x05\x12\x0e\n\x06rounds\x18\x05 \x01(\x05\x12\x1c\n\x14\x64raft_proposal_bytes\x18\x06 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\x05\x12\x14\n\x0cplain_rounds\x18\x08 \x01(\x05\x12\x15\n\rlookup_rounds\x18\t \x01(\x05\x12\x1e\n\x16lookup_tokens_proposed\x18\n \x01(\x05\x12\x1e\n\x16lookup_tokens_accepted\x18\x0b \x01(\x05\"m\n\x06Timing\x12\x14\n\x0cqueue_wait_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x1d\n\x15inter_token_latency_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\"\x8b\x01\n\x10GenerateResponse\x12-\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x18.specserve.v1.Completion\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.specserve.v1.Usage\x12$\n\x06timing\x18\x03 \x01(\x0b\x32\x14.specserve.v1.Timing\"\xa0\x01\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\x12$\n\x06timing\x18\x06 \x01(\x0b\x32\x14.specserve.v1.Timing2\xa8\x01\n\x0b\x43oordinator\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a\x1b.specserve.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1especserve/v1/coordinator.proto\x12\x0cspecserve.v1\"\x85\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0e\n\x01n\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x42\x04\n\x02_nB\x11\n\x0f_max_new_tokensB\x08\n\x06_top_p\"\x87\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x16\n\x0etoken_logprobs\x18\x05 \x03(\x02\x12\x1a\n\x12\x63umulative_logprob\x18\x06 \x01(\x01\"\xb0\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x03 \x01(\x05\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x04 \x01(\x05\x12\x0e\n\x06rounds\x18\x05 \x01(\x05\x12\x1c\n\x14\x64raft_proposal_bytes\x18\x06 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\x05\x12\x14\n\x0cplain_rounds\x18\x08 \x01(\x05\x12\x15\n\rlookup_rounds\x18\t \x01(\x05\x12\x1e\n\x16lookup_tokens_proposed\x18\n \x01(\x05\x12\x1e\n\x16lookup_tokens_accepted\x18\x0b \x01(\x05\"m\n\x06Timing\x12\x14\n\x0cqueue_wait_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x1d\n\x15inter_token_latency_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\"\x8b\x01\n\x10GenerateResponse\x12-\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x18.specserve.v1.Completion\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.specserve.v1.Usage\x12$\n\x06timing\x18\x03 \x01(\x0b\x32\x14.specserve.v1.Timing\"\xb8\x01\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specserve.v1.Usage\x12$\n\x06timing\x18\x06 \x01(\x0b\x32\x14.specserve.v1.Timing\x12\x16\n\x0etoken_logprobs\x18\x07 \x03(\x02\x32\xa8\x01\n\x0b\x43oordinator\x12I\n\x08Generate\x12\x1d.specserve.v1.GenerateRequest\x1a\x1e.specserve.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.specserve.v1.GenerateRequest\x1a\x1b.specserve.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.coordinator_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=49
-  _globals['_GENERATEREQUEST']._serialized_end=292
-  _globals['_COMPLETION']._serialized_start=294
-  _globals['_COMPLETION']._serialized_end=377
-  _globals['_USAGE']._serialized_start=380
-  _globals['_USAGE']._serialized_end=684
-  _globals['_TIMING']._serialized_start=686
-  _globals['_TIMING']._serialized_end=795
-  _globals['_GENERATERESPONSE']._serialized_start=798
-  _globals['_GENERATERESPONSE']._serialized_end=937
-  _globals['_GENERATECHUNK']._serialized_start=940
-  _globals['_GENERATECHUNK']._serialized_end=1100
-  _globals['_COORDINATOR']._serialized_start=1103
-  _globals['_COORDINATOR']._serialized_end=1271
+  _globals['_GENERATEREQUEST']._serialized_end=310
+  _globals['_COMPLETION']._serialized_start=313
+  _globals['_COMPLETION']._serialized_end=448
+  _globals['_USAGE']._serialized_start=451
+  _globals['_USAGE']._serialized_end=755
+  _globals['_TIMING']._serialized_start=757
+  _globals['_TIMING']._serialized_end=866
+  _globals['_GENERATERESPONSE']._serialized_start=869
+  _globals['_GENERATERESPONSE']._serialized_end=1008
+  _globals['_GENERATECHUNK']._serialized_start=1011
+  _globals['_GENERATECHUNK']._serialized_end=1195
+  _globals['_COORDINATOR']._serialized_start=1198
+  _globals['_COORDINATOR']._serialized_end=1366
 # @@protoc_insertion_point(module_scope)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specserve/v1/model.proto\x12\x0cspecserve.v1\"\r\n\x0bInfoRequest\"\xe7\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\x16\n\x0etokenizer_json\x18\x06 \x01(\t\x12\x19\n\x11vocab_fingerprint\x18\x07 \x01(\t\x12\x11\n\tattention\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x1b\n\x13prefix_block_tokens\x18\n \x01(\x05\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x95\x01\n\tGroupSpec\x12\x10\n\x08group_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0csequence_ids\x18\x03 \x03(\x04\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\"K\n\x0ePrefillRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\'\n\x06groups\x18\x02 \x03(\x0b\x32\x17.specserve.v1.GroupSpec\"6\n\rSequenceToken\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\x05\"\x8e\x01\n\x0fPrefillResponse\x12\x31\n\x0c\x66irst_tokens\x18\x01 \x03(\x0b\x32\x1b.specserve.v1.SequenceToken\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\x12\x36\n\rcached_tokens\x18\x03 \x03(\x0b\x32\x1f.specserve.v1.GroupCachedTokens\"5\n\x11GroupCachedTokens\x12\x10\n\x08group_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x05\"n\n\x0eSequenceUpdate\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x61\x63\x63\x65pted_len\x18\x02 \x01(\x05\x12\x15\n\rnext_token_id\x18\x03 \x01(\x05\x12\x1a\n\x12\x63\x61tch_up_token_ids\x18\x04 \x03(\x05\"\x82\x01\n\x0eProposeRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12-\n\x07updates\x18\x02 \x03(\x0b\x32\x1c.specserve.v1.SequenceUpdate\x12\x11\n\tdraft_len\x18\x03 \x01(\x05\x12\x1c\n\x14release_sequence_ids\x18\x04 \x03(\x04\":\n\x11\x44raftDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nprobs_fp16\x18\x02 \x01(\x0c\"j\n\x08Proposal\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x36\n\rdistributions\x18\x03 \x03(\x0b\x32\x1f.specserve.v1.DraftDistribution\"N\n\x0fProposeResponse\x12)\n\tproposals\x18\x01 \x03(\x0b\x32\x16.specserve.v1.Proposal\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\"j\n\rVerifyRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12)\n\tproposals\x18\x02 \x03(\x0b\x32\x16.specserve.v1.Proposal\x12\x1c\n\x14release_sequence_ids\x18\x03 \x03(\x04\"K\n\x07Verdict\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x61\x63\x63\x65pted_len\x18\x02 \x01(\x05\x12\x15\n\rnext_token_id\x18\x03 \x01(\x05\"K\n\x0eVerifyResponse\x12\'\n\x08verdicts\x18\x01 \x03(\x0b\x32\x15.specserve.v1.Verdict\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\"8\n\x0eReleaseRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x14\n\x0csequence_ids\x18\x02 \x03(\x04\"-\n\x0fReleaseResponse\x12\x1a\n\x12released_sequences\x18\x01 \x01(\x05\"\x0e\n\x0cStatsRequest\"\x8e\x02\n\nModelStats\x12\x0f\n\x07\x62\x61tches\x18\x01 \x01(\x05\x12\x11\n\tsequences\x18\x02 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x03\x12\x19\n\x11kv_reserved_bytes\x18\x04 \x01(\x03\x12\x17\n\x0fkv_budget_bytes\x18\x05 \x01(\x03\x12\x1a\n\x12prefix_cache_bytes\x18\x06 \x01(\x03\x12\x1a\n\x12prefix_cache_spans\x18\x07 \x01(\x05\x12\"\n\x1aprefix_cache_lookup_tokens\x18\x08 \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\t \x01(\x03\x12\x19\n\x11prefix_cache_refs\x18\n \x01(\x05\x32\xdf\x02\n\nDraftModel\x12:\n\x04Info\x12\x19.specserve.v1.InfoRequest\x1a\x17.specserve.v1.ModelInfo\x12\x46\n\x07Prefill\x12\x1c.specserve.v1.PrefillRequest\x1a\x1d.specserve.v1.PrefillResponse\x12\x46\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12=\n\x05Stats\x12\x1a.specserve.v1.StatsRequest\x1a\x18.specserve.v1.ModelStats2\xdd\x02\n\x0bTargetModel\x12:\n\x04Info\x12\x19.specserve.v1.InfoRequest\x1a\x17.specserve.v1.ModelInfo\x12\x46\n\x07Prefill\x12\x1c.specserve.v1.PrefillRequest\x1a\x1d.specserve.v1.PrefillResponse\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12=\n\x05Stats\x12\x1a.specserve.v1.StatsRequest\x1a\x18.specserve.v1.ModelStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specserve/v1/model.proto\x12\x0cspecserve.v1\"\r\n\x0bInfoRequest\"\xe7\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\x16\n\x0etokenizer_json\x18\x06 \x01(\t\x12\x19\n\x11vocab_fingerprint\x18\x07 \x01(\t\x12\x11\n\tattention\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x1b\n\x13prefix_block_tokens\x18\n \x01(\x05\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\xa7\x01\n\tGroupSpec\x12\x10\n\x08group_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0csequence_ids\x18\x03 \x03(\x04\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specserve.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x10\n\x08logprobs\x18\x06 \x01(\x08\"K\n\x0ePrefillRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\'\n\x06groups\x18\x02 \x03(\x0b\x32\x17.specserve.v1.GroupSpec\"X\n\rSequenceToken\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x42\n\n\x08_logprob\"\x8e\x01\n\x0fPrefillResponse\x12\x31\n\x0c\x66irst_tokens\x18\x01 \x03(\x0b\x32\x1b.specserve.v1.SequenceToken\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\x12\x36\n\rcached_tokens\x18\x03 \x03(\x0b\x32\x1f.specserve.v1.GroupCachedTokens\"5\n\x11GroupCachedTokens\x12\x10\n\x08group_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x05\"n\n\x0eSequenceUpdate\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x61\x63\x63\x65pted_len\x18\x02 \x01(\x05\x12\x15\n\rnext_token_id\x18\x03 \x01(\x05\x12\x1a\n\x12\x63\x61tch_up_token_ids\x18\x04 \x03(\x05\"\x82\x01\n\x0eProposeRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12-\n\x07updates\x18\x02 \x03(\x0b\x32\x1c.specserve.v1.SequenceUpdate\x12\x11\n\tdraft_len\x18\x03 \x01(\x05\x12\x1c\n\x14release_sequence_ids\x18\x04 \x03(\x04\":\n\x11\x44raftDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nprobs_fp16\x18\x02 \x01(\x0c\"j\n\x08Proposal\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x36\n\rdistributions\x18\x03 \x03(\x0b\x32\x1f.specserve.v1.DraftDistribution\"N\n\x0fProposeResponse\x12)\n\tproposals\x18\x01 \x03(\x0b\x32\x16.specserve.v1.Proposal\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\"j\n\rVerifyRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12)\n\tproposals\x18\x02 \x03(\x0b\x32\x16.specserve.v1.Proposal\x12\x1c\n\x14release_sequence_ids\x18\x03 \x03(\x04\"]\n\x07Verdict\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x61\x63\x63\x65pted_len\x18\x02 \x01(\x05\x12\x15\n\rnext_token_id\x18\x03 \x01(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\"K\n\x0eVerifyResponse\x12\'\n\x08verdicts\x18\x01 \x03(\x0b\x32\x15.specserve.v1.Verdict\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x03\"8\n\x0eReleaseRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x14\n\x0csequence_ids\x18\x02 \x03(\x04\"-\n\x0fReleaseResponse\x12\x1a\n\x12released_sequences\x18\x01 \x01(\x05\"\x0e\n\x0cStatsRequest\"\x8e\x02\n\nModelStats\x12\x0f\n\x07\x62\x61tches\x18\x01 \x01(\x05\x12\x11\n\tsequences\x18\x02 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x03\x12\x19\n\x11kv_reserved_bytes\x18\x04 \x01(\x03\x12\x17\n\x0fkv_budget_bytes\x18\x05 \x01(\x03\x12\x1a\n\x12prefix_cache_bytes\x18\x06 \x01(\x03\x12\x1a\n\x12prefix_cache_spans\x18\x07 \x01(\x05\x12\"\n\x1aprefix_cache_lookup_tokens\x18\x08 \x01(\x03\x12\x1f\n\x17prefix_cache_hit_tokens\x18\t \x01(\x03\x12\x19\n\x11prefix_cache_refs\x18\n \x01(\x05\x32\xdf\x02\n\nDraftModel\x12:\n\x04Info\x12\x19.specserve.v1.InfoRequest\x1a\x17.specserve.v1.ModelInfo\x12\x46\n\x07Prefill\x12\x1c.specserve.v1.PrefillRequest\x1a\x1d.specserve.v1.PrefillResponse\x12\x46\n\x07Propose\x12\x1c.specserve.v1.ProposeRequest\x1a\x1d.specserve.v1.ProposeResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12=\n\x05Stats\x12\x1a.specserve.v1.StatsRequest\x1a\x18.specserve.v1.ModelStats2\xdd\x02\n\x0bTargetModel\x12:\n\x04Info\x12\x19.specserve.v1.InfoRequest\x1a\x17.specserve.v1.ModelInfo\x12\x46\n\x07Prefill\x12\x1c.specserve.v1.PrefillRequest\x1a\x1d.specserve.v1.PrefillResponse\x12\x43\n\x06Verify\x12\x1b.specserve.v1.VerifyRequest\x1a\x1c.specserve.v1.VerifyResponse\x12\x46\n\x07Release\x12\x1c.specserve.v1.ReleaseRequest\x1a\x1d.specserve.v1.ReleaseResponse\x12=\n\x05Stats\x12\x1a.specserve.v1.StatsRequest\x1a\x18.specserve.v1.ModelStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,41 +38,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=291
   _globals['_SAMPLINGPARAMS']._serialized_end=372
   _globals['_GROUPSPEC']._serialized_start=375
-  _globals['_GROUPSPEC']._serialized_end=524
-  _globals['_PREFILLREQUEST']._serialized_start=526
-  _globals['_PREFILLREQUEST']._serialized_end=601
-  _globals['_SEQUENCETOKEN']._serialized_start=603
-  _globals['_SEQUENCETOKEN']._serialized_end=657
-  _globals['_PREFILLRESPONSE']._serialized_start=660
-  _globals['_PREFILLRESPONSE']._serialized_end=802
-  _globals['_GROUPCACHEDTOKENS']._serialized_start=804
-  _globals['_GROUPCACHEDTOKENS']._serialized_end=857
-  _globals['_SEQUENCEUPDATE']._serialized_start=859
-  _globals['_SEQUENCEUPDATE']._serialized_end=969
-  _globals['_PROPOSEREQUEST']._serialized_start=972
-  _globals['_PROPOSEREQUEST']._serialized_end=1102
-  _globals['_DRAFTDISTRIBUTION']._serialized_start=1104
-  _globals['_DRAFTDISTRIBUTION']._serialized_end=1162
-  _globals['_PROPOSAL']._serialized_start=1164
-  _globals['_PROPOSAL']._serialized_end=1270
-  _globals['_PROPOSERESPONSE']._serialized_start=1272
-  _globals['_PROPOSERESPONSE']._serialized_end=1350
-  _globals['_VERIFYREQUEST']._serialized_start=1352
-  _globals['_VERIFYREQUEST']._serialized_end=1458
-  _globals['_VERDICT']._serialized_start=1460
-  _globals['_VERDICT']._serialized_end=1535
-  _globals['_VERIFYRESPONSE']._serialized_start=1537
-  _globals['_VERIFYRESPONSE']._serialized_end=1612
-  _globals['_RELEASEREQUEST']._serialized_start=1614
-  _globals['_RELEASEREQUEST']._serialized_end=1670
-  _globals['_RELEASERESPONSE']._serialized_start=1672
-  _globals['_RELEASERESPONSE']._serialized_end=1717
-  _globals['_STATSREQUEST']._serialized_start=1719
-  _globals['_STATSREQUEST']._serialized_end=1733
-  _globals['_MODELSTATS']._serialized_start=1736
-  _globals['_MODELSTATS']._serialized_end=2006
-  _globals['_DRAFTMODEL']._serialized_start=2009
-  _globals['_DRAFTMODEL']._serialized_end=2360
-  _globals['_TARGETMODEL']._serialized_start=2363
-  _globals['_TARGETMODEL']._serialized_end=2712
+  _globals['_GROUPSPEC']._serialized_end=542
+  _globals['_PREFILLREQUEST']._serialized_start=544
+  _globals['_PREFILLREQUEST']._serialized_end=619
+  _globals['_SEQUENCETOKEN']._serialized_start=621
+  _globals['_SEQUENCETOKEN']._serialized_end=709
+  _globals['_PREFILLRESPONSE']._serialized_start=712
+  _globals['_PREFILLRESPONSE']._serialized_end=854
+  _globals['_GROUPCACHEDTOKENS']._serialized_start=856
+  _globals['_GROUPCACHEDTOKENS']._serialized_end=909
+  _globals['_SEQUENCEUPDATE']._serialized_start=911
+  _globals['_SEQUENCEUPDATE']._serialized_end=1021
+  _globals['_PROPOSEREQUEST']._serialized_start=1024
+  _globals['_PROPOSEREQUEST']._serialized_end=1154
+  _globals['_DRAFTDISTRIBUTION']._serialized_start=1156
+  _globals['_DRAFTDISTRIBUTION']._serialized_end=1214
+  _globals['_PROPOSAL']._serialized_start=1216
+  _globals['_PROPOSAL']._serialized_end=1322
+  _globals['_PROPOSERESPONSE']._serialized_start=1324
+  _globals['_PROPOSERESPONSE']._serialized_end=1402
+  _globals['_VERIFYREQUEST']._serialized_start=1404
+  _globals['_VERIFYREQUEST']._serialized_end=1510
+  _globals['_VERDICT']._serialized_start=1512
+  _globals['_VERDICT']._serialized_end=1605
+  _globals['_VERIFYRESPONSE']._serialized_start=1607
+  _globals['_VERIFYRESPONSE']._serialized_end=1682
+  _globals['_RELEASEREQUEST']._serialized_start=1684
+  _globals['_RELEASEREQUEST']._serialized_end=1740
+  _globals['_RELEASERESPONSE']._serialized_start=1742
+  _globals['_RELEASERESPONSE']._serialized_end=1787
+  _globals['_STATSREQUEST']._serialized_start=1789
+  _globals['_STATSREQUEST']._serialized_end=1803
+  _globals['_MODELSTATS']._serialized_start=1806
+  _globals['_MODELSTATS']._serialized_end=2076
+  _globals['_DRAFTMODEL']._serialized_start=2079
+  _globals['_DRAFTMODEL']._serialized_end=2430
+  _globals['_TARGETMODEL']._serialized_start=2433
+  _globals['_TARGETMODEL']._serialized_end=2782
 # @@protoc_insertion_point(module_scope)

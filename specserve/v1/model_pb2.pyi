@@ -47,18 +47,20 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GroupSpec(_message.Message):
-    __slots__ = ("group_id", "prompt_token_ids", "sequence_ids", "sampling", "max_new_tokens")
+    __slots__ = ("group_id", "prompt_token_ids", "sequence_ids", "sampling", "max_new_tokens", "logprobs")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sequence_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     max_new_tokens: int
-    def __init__(self, group_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sequence_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: bool
+    def __init__(self, group_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sequence_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("batch_id", "groups")
@@ -69,12 +71,14 @@ class PrefillRequest(_message.Message):
     def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[GroupSpec, _Mapping]]] = ...) -> None: ...
 
 class SequenceToken(_message.Message):
-    __slots__ = ("sequence_id", "token_id")
+    __slots__ = ("sequence_id", "token_id", "logprob")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     token_id: int
-    def __init__(self, sequence_id: _Optional[int] = ..., token_id: _Optional[int] = ...) -> None: ...
+    logprob: float
+    def __init__(self, sequence_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_tokens", "kv_bytes", "cached_tokens")
@@ -155,14 +159,16 @@ class VerifyRequest(_message.Message):
     def __init__(self, batch_id: _Optional[str] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., release_sequence_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("sequence_id", "accepted_len", "next_token_id")
+    __slots__ = ("sequence_id", "accepted_len", "next_token_id", "logprobs")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     accepted_len: int
     next_token_id: int
-    def __init__(self, sequence_id: _Optional[int] = ..., accepted_len: _Optional[int] = ..., next_token_id: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, sequence_id: _Optional[int] = ..., accepted_len: _Optional[int] = ..., next_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("verdicts", "kv_bytes")
