@@ -44,11 +44,11 @@ class TargetRuntime(ModelRuntime):
         params = [s.params for s in states]
         rows = logits[None].expand(len(states), -1)
         first = sample(process_logits(rows, params), [s.generator for s in states])
-        logprobs = token_logprobs(rows, first) if group.logprobs else []
         for state, token in zip(states, first.tolist(), strict=True):
             state.pending = [token]
             result.first_tokens[state.sequence_id] = token
-        result.first_logprobs.update(zip(group.sequence_ids, logprobs, strict=False))
+        if group.logprobs:
+            result.first_logprobs.update(zip([s.sequence_id for s in states], token_logprobs(rows, first), strict=True))
 
     def _check_proposal(self, state: SequenceState, tokens: list[int],
                         distributions: list[CompactDistribution]) -> None:
@@ -67,7 +67,8 @@ class TargetRuntime(ModelRuntime):
 
         Greedy sequences accept while the draft matches the target's argmax; sampling sequences use
         rejection sampling, so their output has exactly the target's distribution. An empty proposal
-        is a plain decode step. Verdicts come back in row order.
+        is a plain decode step. Verdicts come back in row order; a sequence whose group asked for logprobs gets
+        the model's log-probability of each token it confirms (``sampling.token_logprobs``).
         """
         with self.lock:
             batch = self.get_batch(batch_id)
