@@ -100,7 +100,7 @@ class TargetRuntime(ModelRuntime):
         """(accepted_len [B], next_token [B]) on the host for the rows' windows (``logits`` [B, K+1, V]):
         greedy rows from the logits' argmax alone, sampling rows by lossless rejection sampling over their
         processed distributions, built only for the positions each row reaches (up to its first rejection)."""
-        rows, width, vocab = logits.shape
+        rows, _, vocab = logits.shape
         accepted = torch.zeros(rows, dtype=torch.long)
         nxt = torch.zeros(rows, dtype=torch.long)
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
