@@ -153,7 +153,12 @@ class Harness:
         self.draft_runtimes = {"d_bass_fixed": full, "d_bass_adaptive": default, "d_bass_full_proposals": full,
                                "d_bass_model_only": DraftRuntime(self.draft, prompt_lookup=None),
                                "d_bass_gated": default}
-        self.assistant = hf_assistant(self.draft) if "c_hf_assisted" in args.systems else None
+        # HF's systems run transformers' own modules, not the engine's packed linear layers
+        hf_systems = {"b_hf_generate", "c_hf_assisted"} & set(args.systems)
+        self.hf_target = load_checkpoint(args.target_model, args.dtype, device, packed_linears=False).model \
+            if hf_systems else None
+        self.assistant = hf_assistant(load_checkpoint(args.draft_model, args.dtype, device, packed_linears=False)) \
+            if "c_hf_assisted" in args.systems else None
         self.prompts = code_prompts(self.target.tokenizer, args.prompts)
         self.deployments: dict[str, Any] = {}
         self.stubs: dict[str, Any] = {}
@@ -197,9 +202,9 @@ class Harness:
             if system == "a_batched":
                 out, stats = engine_batched(self.target_runtime, prompt, n, params, max_new)
             elif system == "b_hf_generate":
-                out, stats = hf_generate(self.target.model, prompt, n, temperature, max_new, a.seed)
+                out, stats = hf_generate(self.hf_target, prompt, n, temperature, max_new, a.seed)
             elif system == "c_hf_assisted":
-                out, stats = hf_assisted(self.target.model, self.assistant, prompt, n, temperature, max_new, a.seed)
+                out, stats = hf_assisted(self.hf_target, self.assistant, prompt, n, temperature, max_new, a.seed)
             elif system in IN_PROCESS_BASS:
                 length = DraftLength(a.draft_len, max(a.draft_len, a.max_draft_len), system != "d_bass_fixed",
                                      SpeculationGate() if system == "d_bass_gated" else None)

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from engine.cpu_linear import pack_linears
 from engine.token_map import TokenMap, TokenMapError, load_token_map
 
 # Decoders whose layers are (input norm, q/k/v/o attention with RoPE, post norm, MLP): the runtime
@@ -68,11 +69,11 @@ class Checkpoint:
 
     @property
     def vocab_size(self) -> int:
-        """The ids the model reads and whose logits it returns: the output embedding's rows, or the
-        vocabulary its token map serves."""
+        """The ids the model reads and whose logits it returns: the embedding's rows (those of its LM head),
+        or the vocabulary its token map serves."""
         if self.token_map is not None:
             return self.token_map.target_vocab_size
-        return int(self.model.get_output_embeddings().weight.shape[0])
+        return int(self.model.get_input_embeddings().weight.shape[0])
 
     @property
     def max_context(self) -> int:
@@ -114,9 +115,12 @@ class Checkpoint:
         return digest.hexdigest()[:16]
 
 
-def load_checkpoint(path: str | Path, dtype: str = "float32", device: torch.device | str = "cpu") -> Checkpoint:
+def load_checkpoint(path: str | Path, dtype: str = "float32", device: torch.device | str = "cpu",
+                    packed_linears: bool = True) -> Checkpoint:
     """Load a local HF checkpoint (safetensors only, no remote code) in eval mode, its weights in ``dtype``
-    (a name of ``DTYPES``, or "auto": see ``resolve_dtype``) on ``device``.
+    (a name of ``DTYPES``, or "auto": see ``resolve_dtype``) on ``device``, for inference. With
+    ``packed_linears`` its float32 linear layers on a CPU run on packed weights (``engine.cpu_linear``; they
+    then have no ``weight`` tensor, and the state dict is unchanged); without, the model is transformers' own.
 
     Raises CheckpointError with an actionable message for a missing directory, an unsupported
     architecture, an unknown dtype or a token map that does not fit the model.
@@ -136,8 +140,10 @@ def load_checkpoint(path: str | Path, dtype: str = "float32", device: torch.devi
         directory, dtype=DTYPES[dtype], use_safetensors=True, local_files_only=True
     )
     model.to(device).eval()
+    if packed_linears:
+        pack_linears(model)
     try:
-        token_map = load_token_map(directory, int(model.get_output_embeddings().weight.shape[0]))
+        token_map = load_token_map(directory, int(model.get_input_embeddings().weight.shape[0]))
     except TokenMapError as exc:
         raise CheckpointError(str(exc)) from exc
     tokenizer = None

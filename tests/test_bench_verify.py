@@ -41,10 +41,24 @@ def test_bench_verify_reports_every_count_against_the_plain_step(checkpoints, tm
     assert [result["temperature"], result["top_p"], result["top_k"]] == recorded
     points = result["points"]
     assert [p["extra_tokens"] for p in points] == [0, 1, 4, 7]  # the plain step is always measured
+    assert {p["linears"] for p in points} == {"packed"}
     assert [p["tokens"] for p in points] == [3, 4, 7, 10]
     assert points[0]["vs_plain"] == 1.0
     assert all(p["ms"] > 0 and p["vs_plain"] > 0 for p in points)
     assert result["rows"] == 3 and result["prompt_tokens"] > 0 and result["host"]["cpu_count"] > 0
+
+
+def test_bench_verify_times_packed_and_stock_linears_side_by_side(checkpoints, tmp_path, capsys):
+    out = tmp_path / "verify.json"
+    assert main(["bench", "verify", "--target-model", str(checkpoints["llama"]), "--rows", "2", "--extra", "3",
+                 "--repeats", "2", "--linears", "packed,stock", "--json", str(out)]) == 0
+    points = json.loads(out.read_text())["points"]
+    assert [(p["linears"], p["extra_tokens"]) for p in points] == [("packed", 0), ("packed", 3), ("stock", 0),
+                                                                   ("stock", 3)]
+    assert all(p["ms"] > 0 for p in points)
+    assert "stock / packed" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "verify", "--target-model", str(checkpoints["llama"]), "--linears", "fast"])
 
 
 def test_bench_verify_rejects_an_empty_batch_and_bad_sampling(checkpoints):

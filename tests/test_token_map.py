@@ -102,11 +102,11 @@ def test_sampled_distributions_live_on_the_subset(restricted):
 def test_hf_assistant_view_serves_the_same_distribution(restricted, checkpoints):
     """The benchmark's HF view of a subset draft has the oracle's logits, and HF assisted generation with it
     reproduces the target's greedy output."""
-    view = hf_assistant(load_checkpoint(restricted))
+    view = hf_assistant(load_checkpoint(restricted, packed_linears=False))
     ids = PROMPTS[0] + [301]
     with torch.inference_mode():
         logits = view(torch.tensor([ids])).logits[0, -1]
     assert torch.allclose(logits, oracle_logits(restricted, ids), atol=1e-5)
-    target = load_checkpoint(checkpoints["llama"])
+    target = load_checkpoint(checkpoints["llama"], packed_linears=False)
     samples, _ = hf_assisted(target.model, view, PROMPTS[0], 1, 0.0, 12, seed=0)
     assert samples == [greedy(checkpoints["llama"], PROMPTS[0], 12, None)]
