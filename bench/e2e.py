@@ -22,7 +22,9 @@ in one run, for every n (samples per prompt) and temperature, it times:
 * ``e_grpc_lookup``: specserve over gRPC without a draft, the coordinator's own prompt lookup on
   (``coordinator.lookup``: n-gram speculation with no draft model);
 * ``e_grpc_target``: specserve over gRPC without a draft and without the coordinator's prompt lookup
-  (``--prompt-lookup off``: plain batched decoding, the served baseline).
+  (``--prompt-lookup off``: plain batched decoding, the served baseline);
+* ``e_grpc_target_stock``: as ``e_grpc_target`` with the target's linear layers on transformers' own
+  ``nn.Linear`` (``SPECSERVE_ONEDNN_LINEAR=0``, no packed weights: ``engine.cpu_linear``).
 
 Every system generates exactly ``--max-new-tokens`` tokens per sample (EOS ignored). The systems are
 interleaved (``time_interleaved_samples``) and each figure is the median of ``--repeats``; one call runs
@@ -75,14 +77,18 @@ SYSTEMS: dict[str, str] = {
     "e_grpc_default": "(e) BASS over gRPC, the coordinator's defaults (gate on every batch)",
     "e_grpc_lookup": "(e) target only over gRPC, the coordinator's prompt lookup (no draft model)",
     "e_grpc_target": "(e) target only over gRPC, plain decoding",
+    "e_grpc_target_stock": "(e) target only over gRPC, plain decoding, nn.Linear (no packed weights)",
 }
 IN_PROCESS_BASS = ("d_bass_fixed", "d_bass_adaptive", "d_bass_full_proposals", "d_bass_model_only", "d_bass_gated")
-# system -> (the deployment has a draft, the coordinator's extra flags)
-GRPC_SYSTEMS: dict[str, tuple[bool, list[str]]] = {"e_grpc_adaptive": (True, ["--speculation-gate", "off"]),
-                                                   "e_grpc_sampled_gate": (True, ["--speculation-gate", "sampled"]),
-                                                   "e_grpc_default": (True, []),
-                                                   "e_grpc_lookup": (False, []),
-                                                   "e_grpc_target": (False, ["--prompt-lookup", "off"])}
+# system -> (the deployment has a draft, the coordinator's extra flags, the servers' extra environment)
+GRPC_SYSTEMS: dict[str, tuple[bool, list[str], dict[str, str]]] = {
+    "e_grpc_adaptive": (True, ["--speculation-gate", "off"], {}),
+    "e_grpc_sampled_gate": (True, ["--speculation-gate", "sampled"], {}),
+    "e_grpc_default": (True, [], {}),
+    "e_grpc_lookup": (False, [], {}),
+    "e_grpc_target": (False, ["--prompt-lookup", "off"], {}),
+    "e_grpc_target_stock": (False, ["--prompt-lookup", "off"], {"SPECSERVE_ONEDNN_LINEAR": "0"}),
+}
 GRPC_BASELINE = "e_grpc_target"
 BASS = "d_bass_adaptive"  # the configuration the bars are judged on (the coordinator's default)
 
@@ -171,12 +177,12 @@ class Harness:
         from deployment.processes import Deployment
         from specserve.v1 import coordinator_pb2_grpc
 
-        env = {"OMP_NUM_THREADS": str(self.args.threads)} if self.args.threads else None
+        threads = {"OMP_NUM_THREADS": str(self.args.threads)} if self.args.threads else {}
         for system in (s for s in systems if s in GRPC_SYSTEMS):
             log_dir = Path(tempfile.mkdtemp(prefix=f"specserve-bench-{system}-"))
-            has_draft, flags = GRPC_SYSTEMS[system]
+            has_draft, flags, env = GRPC_SYSTEMS[system]
             deployment = Deployment(self.args.target_model, self.args.draft_model if has_draft else None,
-                                    log_dir=log_dir, env=env,
+                                    log_dir=log_dir, env={**threads, **env} or None,
                                     # no prefix cache: the repeats reuse prompts, and the in-process systems
                                     # prefill every request, so both sides do the same work
                                     model_args=["--dtype", self.args.dtype, "--prefix-cache-mb", "0"],
