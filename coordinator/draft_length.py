@@ -53,8 +53,7 @@ class DraftLength:
         ``proposed`` is 0); returns the next speculative k."""
         if self.gate is not None:
             kind = kind or ("draft" if proposed else "plain")
-            self.gate.record(kind, sum(accepted) + len(accepted), seconds, sampled,
-                             sum(lengths) if lengths is not None else proposed * len(accepted))
+            self.gate.record(kind, sum(accepted) + len(accepted), seconds, sampled)
         capped = accepted if lengths is None else [a for a, n in zip(accepted, lengths, strict=True) if n >= proposed]
         if self.adaptive and proposed and capped:
             full = sum(a >= proposed for a in capped) / len(capped)

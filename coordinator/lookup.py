@@ -51,13 +51,6 @@ class LookupProposer:
         or not: the whole continuation is scored when ``confirm`` follows."""
         return self._contexts[sequence_id].confident(limit, self.confidence_floor)
 
-    def expected_accepted(self, sequence_id: int, tokens: Sequence[int]) -> float:
-        """How many of ``tokens`` (the sequence's lookup proposal) the target is expected to accept: the sum,
-        over their prefixes, of the chance that it accepts the whole prefix, each token at the group's lookup
-        confidence."""
-        confidence = self._contexts[sequence_id].score.lookup_confidence
-        return sum(confidence ** length for length in range(1, len(tokens) + 1))
-
     def confirm(self, sequence_id: int, tokens: Sequence[int]) -> None:
         """Extend the sequence's context by the tokens the target confirmed this round (accepted proposal
         tokens, then its own), scoring the round's lookup continuation against them."""

@@ -422,8 +422,7 @@ class Scheduler:
                 self._drop_draft(error)
                 kind, k = "lookup", 0
         if kind != "draft":
-            sent = looked_up if kind == "lookup" and self._lookup_pays(live, looked_up, sampled) else {}
-            proposals = [self._lookup_proposal(sid, sent.get(sid, [])) for sid in live]
+            proposals = [self._lookup_proposal(sid, looked_up.get(sid, []) if kind == "lookup" else []) for sid in live]
             # what runs: a lookup round that found nothing is a plain step, and the gate measures it as one
             kind = "lookup" if any(p.token_ids for p in proposals) else "plain"
         verify = model_pb2.VerifyRequest(batch_id=self.batch_id, proposals=proposals,
@@ -441,16 +440,6 @@ class Scheduler:
         span.set_attributes({"specserve.draft_len": k, "specserve.round_kind": kind,
                              "specserve.tokens_proposed": tokens_proposed,
                              "specserve.tokens_accepted": tokens_accepted, "specserve.kv_bytes": verified.kv_bytes})
-
-    def _lookup_pays(self, live: list[int], looked_up: dict[int, list[int]], sampled: bool) -> bool:
-        """Whether this round should verify the lookup tokens found for the ``live`` sequences rather than run a
-        plain step: the tokens the target is expected to accept against what verifying them costs, by the
-        gate's measured round times (``SpeculationGate.lookup_pays``; always without a gate)."""
-        gate = self.draft_length.gate
-        if gate is None or self.lookup is None:
-            return True
-        expected = sum(self.lookup.expected_accepted(sid, looked_up.get(sid, [])) for sid in live)
-        return gate.lookup_pays(len(live), sum(len(tokens) for tokens in looked_up.values()), expected, sampled)
 
     def _lookup_limit(self, sequence_id: int) -> int:
         """The most lookup tokens worth verifying for the sequence: up to the draft length's maximum, and short

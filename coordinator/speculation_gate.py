@@ -15,10 +15,6 @@ current, and each probe that confirms the choice doubles the gap to the next (up
 kind changes the output: greedy output stays the target's, and a sampled token comes from the target's
 distribution whichever kind produced it.
 
-Within a lookup round the gate also prices the proposals themselves (``lookup_pays``): from the mix's rounds
-it keeps a plain round's seconds and what each verified lookup token added to a lookup round's, and a round
-whose expected accepted tokens do not pay for the tokens it would verify runs as a plain step instead.
-
 The figures belong to a batch's *mix*: whether any of its sequences samples (temperature > 0) or all are
 greedy. Acceptance, and with it what speculation is worth, differs most between the two (a draft that pays
 at greedy can lose at T = 0.8), so a greedy batch is never judged by figures a sampled one left, and the
@@ -51,8 +47,6 @@ class _Figures:
     next_probe: int  # index of the round that runs another kind than the fastest
     gap: int  # rounds from one probe to the next
     rate: dict[str, float] = field(default_factory=dict)  # kind -> moving average (measured kinds only)
-    plain_seconds: float | None = None  # moving average of a plain round's seconds
-    token_seconds: float | None = None  # moving average of what a lookup token added to its round's seconds
     measured_at: dict[str, int] = field(default_factory=dict)  # kind -> index of the round that last measured it
     rounds: int = 0
 
@@ -104,42 +98,23 @@ class SpeculationGate:
             return fastest
         return min((kind for kind in kinds if kind != fastest), key=figures.measured_at.__getitem__)
 
-    def record(self, kind: str, tokens: int, seconds: float, sampled: bool = False, proposed: int = 0) -> None:
+    def record(self, kind: str, tokens: int, seconds: float, sampled: bool = False) -> None:
         """Account one finished round of ``kind`` for the mix: ``tokens`` emitted by the batch in ``seconds``
-        (nothing for a mix the gate does not judge; no figure for a round that emitted nothing), ``proposed``
-        of them speculative tokens it verified."""
+        (nothing for a mix the gate does not judge; no figure for a round that emitted nothing)."""
         if self.sampled_only and not sampled:
             return
         figures = self._figures(sampled)
         index = figures.rounds
         figures.rounds += 1
         if seconds > 0 and tokens > 0:
-            figures.rate[kind] = self._average(figures.rate.get(kind), tokens / seconds)
+            rate = tokens / seconds
+            old = figures.rate.get(kind)
+            figures.rate[kind] = rate if old is None else old + self.smoothing * (rate - old)
             figures.measured_at[kind] = index
-            if kind == "plain":
-                figures.plain_seconds = self._average(figures.plain_seconds, seconds)
-            elif kind == "lookup" and proposed and figures.plain_seconds is not None:
-                extra = max(seconds - figures.plain_seconds, 0.0) / proposed
-                figures.token_seconds = self._average(figures.token_seconds, extra)
         if index >= figures.next_probe:  # the probe's round: the kind it ran still slower backs the next off
             confirmed = self.fastest(list(figures.rate) or [kind], sampled) != kind
             figures.gap = min(2 * figures.gap, PROBE_BACKOFF * self.probe_every) if confirmed else self.probe_every
             figures.next_probe = index + figures.gap
-
-    def lookup_pays(self, rows: int, proposed: int, expected_accepted: float, sampled: bool = False) -> bool:
-        """Whether a lookup round of ``rows`` sequences verifying ``proposed`` lookup tokens, of which the target
-        is expected to accept ``expected_accepted``, should emit the batch's tokens at least as fast as a plain
-        step. Its cost is modelled from the mix's rounds as a plain round's seconds t plus s per proposed token
-        (s measured on lookup rounds), so it pays when (rows + expected) / (t + s * proposed) >= rows / t.
-        True until both are measured, and for a mix the gate does not judge."""
-        figures = self._figures(sampled)
-        plain, per_token = figures.plain_seconds, figures.token_seconds
-        if plain is None or per_token is None or (self.sampled_only and not sampled):
-            return True
-        return expected_accepted * plain >= rows * per_token * proposed
-
-    def _average(self, old: float | None, value: float) -> float:
-        return value if old is None else old + self.smoothing * (value - old)
 
     def reset(self) -> None:
         """Forget every figure: the next round starts as a new gate's would."""

@@ -14,7 +14,6 @@ from hf_oracle import greedy
 from test_e2e_greedy import MAX_NEW, prompts
 from transformers import LlamaForCausalLM
 
-from coordinator.lookup import LookupProposer
 from deployment.processes import Deployment
 from engine.sampling import SamplingParams
 from specserve.v1 import coordinator_pb2
@@ -37,18 +36,6 @@ def generate_all(stub, jobs: list[tuple[list[int], int]]) -> list[coordinator_pb
 def repeating_jobs() -> list[tuple[list[int], int]]:
     """Prompts that repeat themselves (so lookup has continuations from the first round), 1 or 3 samples."""
     return [(prompt * 3, (1, 3)[i % 2]) for i, prompt in enumerate(prompts()[1:])]
-
-
-def test_expected_accepted_lookup_tokens_follow_the_groups_confidence():
-    """A proposal of n lookup tokens is expected to add sum_{j <= n} c^j accepted tokens, c the group's lookup
-    confidence: 3/4 before any round (the prior), then its measured rate."""
-    proposer = LookupProposer()
-    proposer.start([5, 6, 7, 5, 6, 7, 5, 6], {0: 7, 1: 9})
-    assert proposer.expected_accepted(0, []) == 0.0
-    assert proposer.expected_accepted(0, [5, 6]) == pytest.approx(0.75 + 0.75 ** 2)
-    assert proposer.propose(0, 2) == [5, 6]
-    proposer.confirm(0, [8])  # lookup's first token was wrong: 3 right of 5 tried
-    assert proposer.expected_accepted(1, [1]) == pytest.approx(3 / 5)  # the group shares one score
 
 
 def test_lookup_rounds_without_a_draft_give_hf_greedy_output(deployments, checkpoints):

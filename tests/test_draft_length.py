@@ -140,25 +140,3 @@ def test_sampled_mode_gates_sampled_batches_and_always_speculates_for_greedy_one
     everywhere = SpeculationGate.for_mode("on", probe_every=4)
     assert run_rounds(everywhere, 8, speculative_rate=50.0, plain_rate=100.0) == "SppSpppp"
     assert SpeculationGate.for_mode("off") is None
-
-
-def test_a_lookup_round_runs_only_where_its_expected_tokens_pay_for_its_measured_cost():
-    """Plain rounds of 0.10 s, a lookup round of 0.12 s that verified 4 tokens (5 ms each): with 8 sequences,
-    4 proposed tokens pay from 1.6 expected accepted ones on (8 * 0.005 * 4 / 0.10), 1 token from 0.4. Before
-    both figures are measured lookup always runs, and each mix (and one the gate does not judge) has its own."""
-    gate = SpeculationGate()
-    assert gate.lookup_pays(8, 4, 0.0, sampled=True)  # nothing measured yet: lookup runs and is measured
-    gate.record("plain", 8, 0.10, sampled=True)
-    assert gate.lookup_pays(8, 4, 0.0, sampled=True)
-    gate.record("lookup", 10, 0.12, sampled=True, proposed=4)
-    assert not gate.lookup_pays(8, 4, 1.5, sampled=True)
-    assert gate.lookup_pays(8, 4, 1.6, sampled=True) and gate.lookup_pays(8, 1, 0.4, sampled=True)
-    assert not gate.lookup_pays(8, 1, 0.3, sampled=True)
-    assert gate.lookup_pays(8, 4, 0.0, sampled=False)  # greedy batches have no figures yet
-    gate.record("lookup", 9, 0.08, sampled=True, proposed=2)  # faster than plain: its tokens cost 0 this time,
-    assert gate.lookup_pays(8, 4, 1.25, sampled=True)  # so the average falls to 3.75 ms: 4 tokens pay from 1.2
-    assert not gate.lookup_pays(8, 4, 1.15, sampled=True)
-    sampled_only = SpeculationGate(sampled_only=True)
-    sampled_only.record("plain", 8, 0.10)
-    sampled_only.record("lookup", 9, 0.50, proposed=1)
-    assert sampled_only.lookup_pays(8, 4, 0.0)  # greedy batches are not judged in this mode
