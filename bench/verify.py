@@ -89,7 +89,7 @@ def verify_costs(runtimes: dict[str, TargetRuntime], prompt: list[int], rows: in
                  params: SamplingParams, repeats: int) -> dict[tuple[str, int], float]:
     """Median seconds of one verify of ``rows`` sequences carrying each count of ``extras`` proposed tokens, on
     each runtime (keyed by its name), every call of every runtime interleaved with the others."""
-    calls = {}
+    calls: dict[tuple[str, int], Callable[[], object]] = {}
     try:
         for name, runtime in runtimes.items():
             for extra, call in verify_calls(runtime, BATCH_ID, prompt, rows, extras, params, repeats).items():

@@ -29,6 +29,7 @@ class _Call:
     code: grpc.StatusCode = grpc.StatusCode.OK
     message: str = ""
     job: Request | None = None
+    accounted: bool = False  # metrics and span done (``_finish`` ran)
 
     @property
     def span(self) -> Any:
@@ -50,6 +51,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def _abort(self, context: grpc.aio.ServicerContext, call: _Call, code: grpc.StatusCode,
                      message: str) -> None:
         call.code, call.message = code, message
+        self._finish(call, None)  # before the status goes out: a client that saw it finds the call in the metrics
         await context.abort(code, message)
 
     async def _submit(self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
@@ -85,7 +87,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return _Call(span)
 
     def _finish(self, call: _Call, error: BaseException | None) -> None:
-        """Account the call in the metrics and close its span with usage and status."""
+        """Account the call in the metrics and close its span with usage and status (once per call)."""
+        if call.accounted:
+            return
+        call.accounted = True
         if isinstance(error, asyncio.CancelledError | GeneratorExit) and call.code == grpc.StatusCode.OK:
             call.code, call.message = grpc.StatusCode.CANCELLED, "cancelled by the client"
         elif error is not None and call.code == grpc.StatusCode.OK:
