@@ -1,6 +1,6 @@
 """Linear layers on oneDNN-packed weights (engine.cpu_linear): the same products as nn.Linear, the same
 state dict, and the switch that turns them off. The engine's outputs on packed models are checked against
-HF's own modules by the HF-oracle tests (test_engine, test_tiny_pair, test_default_pair, ...)."""
+HF's own modules by the HF-oracle tests (test_kv_layouts, test_e2e_greedy, test_default_pair, ...)."""
 
 from __future__ import annotations
 
