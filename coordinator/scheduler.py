@@ -420,10 +420,11 @@ class Scheduler:
             except grpc.aio.AioRpcError as error:
                 span.add_event("draft dropped", {"grpc.status_code": error.code().name})
                 self._drop_draft(error)
-                kind, k = "lookup", 0
+                kind, k = ("lookup" if self.lookup is not None else "plain"), 0
+        chosen = kind  # the gate judges the kind it chose: a lookup round that finds nothing is part of its cost
         if kind != "draft":
             proposals = [self._lookup_proposal(sid, looked_up.get(sid, []) if kind == "lookup" else []) for sid in live]
-            # what runs: a lookup round that found nothing is a plain step, and the gate measures it as one
+            # what runs (metrics, usage): a lookup round that found nothing is a plain step
             kind = "lookup" if any(p.token_ids for p in proposals) else "plain"
         verify = model_pb2.VerifyRequest(batch_id=self.batch_id, proposals=proposals,
                                          release_sequence_ids=finished_ids)
@@ -435,7 +436,7 @@ class Scheduler:
             await self._fail_running(self._status(error, self.target))
             return
         tokens_proposed, tokens_accepted = self._apply(proposals, verified.verdicts, kind, k, skip_draft,
-                                                       time.monotonic() - start, sampled)
+                                                       time.monotonic() - start, sampled, chosen)
         self.metrics.round_done(len(live), tokens_proposed, tokens_accepted, kind)
         span.set_attributes({"specserve.draft_len": k, "specserve.round_kind": kind,
                              "specserve.tokens_proposed": tokens_proposed,
@@ -452,10 +453,11 @@ class Scheduler:
         return lookup_proposal(sequence_id, tokens, self._samples[sequence_id][0].spec.sampling.greedy)
 
     def _apply(self, proposals: list[model_pb2.Proposal], verdicts: list[model_pb2.Verdict], kind: str, k: int,
-               skipped_draft: bool, seconds: float, sampled: bool) -> tuple[int, int]:
+               skipped_draft: bool, seconds: float, sampled: bool, chosen: str) -> tuple[int, int]:
         """Extend each sample by its verdict, complete finished requests and account the round (of ``kind``,
-        with draft length ``k``; ``seconds`` long, of the batch's mix ``sampled``) in the draft length and the
-        usage; returns the round's (tokens proposed, accepted) over its verdicts. After a round that
+        with draft length ``k``; ``seconds`` long, of the batch's mix ``sampled``) in the usage, and in the draft
+        length and its gate as a round of the ``chosen`` kind; returns the round's (tokens proposed, accepted)
+        over its verdicts. After a round that
         ``skipped_draft``, each sequence's update still answers its last proposal and the tokens confirmed
         since queue as catch-up."""
         proposed = {p.sequence_id: list(p.token_ids) for p in proposals}
@@ -499,7 +501,7 @@ class Scheduler:
         for request in self._running:
             if request.finished:
                 request.complete()
-        self.draft_length.update(k, accepted_lens, seconds, proposal_lens, sampled, kind)
+        self.draft_length.update(k, accepted_lens, seconds, proposal_lens, sampled, chosen)
         return tokens_proposed, tokens_accepted
 
     async def _fail_running(self, status: tuple[grpc.StatusCode, str]) -> None:

@@ -11,7 +11,9 @@ second for each kind available and runs the fastest. The kinds not measured yet 
 ``ROUND_KINDS`` order (a batch starts speculating), so all are measured within the first rounds. Then it
 probes: after ``probe_every`` rounds one round of the other kind measured longest ago keeps its figure
 current, and each probe that confirms the choice doubles the gap to the next (up to ``PROBE_BACKOFF`` times
-``probe_every``; one that changes it resets the gap), so a choice that keeps holding costs few probes. No
+``probe_every``; one that changes it resets the gap), so a choice that keeps holding costs few probes. A round
+counts for the kind chosen, not for what it turned out to be: a lookup round where lookup found nothing runs as
+a plain step, and that is part of what choosing lookup delivers (the owner records the kind it was given). No
 kind changes the output: greedy output stays the target's, and a sampled token comes from the target's
 distribution whichever kind produced it.
 
