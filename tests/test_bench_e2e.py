@@ -44,7 +44,11 @@ def test_bench_e2e_json(checkpoints, tmp_path):
     assert result["roofline"]["bandwidth_gb_s"] > 0
     assert all(row["achieved_fraction"] > 0 for row in result["roofline"]["points"])
     assert result["budget"][0]["systems"]["a_batched"]["finished"] >= 0
-    assert "End-to-end" not in md.read_text() and "| n |" in md.read_text()
+    text = md.read_text()
+    assert "End-to-end" not in text and "| n |" in text
+    ratios = text.split("**Ratios, greedy**")[1].split("\n\n")[1].splitlines()  # header, rule, one row per n
+    assert all(f"`{name}` vs (e)" in ratios[0] for name in SYSTEMS if name.startswith("e_") and name != "e_grpc_target")
+    assert len(ratios) == 4 and len({line.count("|") for line in ratios}) == 1
 
 
 def test_prompts_use_the_training_split():
