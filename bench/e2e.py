@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from bench.arguments import int_list
+from bench.arguments import comma_items, int_list
 from bench.prompts import code_prompts
 from bench.speculative import RunStats, engine_bass, engine_batched, hf_assistant, hf_assisted, hf_generate
 from bench.timing import format_bytes, host_info, time_interleaved_samples
@@ -96,14 +96,17 @@ Output = list[list[list[int]]]  # [prompt][sample] -> token ids
 
 
 def _float_list(text: str) -> list[float]:
-    values = [float(v) for v in text.replace(" ", "").split(",") if v]
+    try:
+        values = [float(v) for v in comma_items(text)]
+    except ValueError:
+        values = []
     if not values or min(values) < 0:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of temperatures >= 0, got {text!r}")
     return values
 
 
 def _system_list(text: str) -> list[str]:
-    names = [v for v in text.replace(" ", "").split(",") if v]
+    names = comma_items(text)
     unknown = [v for v in names if v not in SYSTEMS]
     if unknown or "a_batched" not in names:
         raise argparse.ArgumentTypeError(f"systems must include a_batched and be among {list(SYSTEMS)}")

@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.arguments import non_negative_int_list
+from bench.arguments import comma_items, non_negative_int_list
 from bench.prompts import code_prompts
 from bench.timing import host_info, time_interleaved
 from engine.batch import GroupInput
@@ -34,7 +34,7 @@ LINEAR_MODES = ("packed", "stock")
 def linear_modes(text: str) -> list[str]:
     """The distinct modes of a comma-separated ``--linears`` value, in order; raises ArgumentTypeError for an
     unknown or missing one."""
-    modes = list(dict.fromkeys(m for m in text.replace(" ", "").split(",") if m))
+    modes = list(dict.fromkeys(comma_items(text)))
     if not modes or set(modes) - set(LINEAR_MODES):
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(LINEAR_MODES)}, got {text!r}")
     return modes
