@@ -4,10 +4,10 @@ PyTorch's ``nn.Linear`` on a float32 CPU tensor calls the BLAS ``sgemm`` (MKL in
 copies blocks of both operands into its own layout on every call (as GotoBLAS-style GEMMs do). A decode step
 multiplies a few rows by every weight of the model, so it is bound by reading the weights: on the 2-core AMD
 EPYC of docs/benchmarks.md a 1536 × 576 projection of 8 rows streamed its weights at 6–9 GB/s against the
-28 GB/s the memory gives, and the 49,152-row LM head took 21 ms. oneDNN's matmul on a weight packed once into
+28 GB/s the memory gives, and the 49,152-row LM head took 20.7 ms. oneDNN's matmul on a weight packed once into
 its layout (``Tensor.to_mkldnn``; ``torch.ops.mkldnn._linear_pointwise``, the op PyTorch's own compiler emits
 for fused CPU linear layers) streamed them at 11–13 GB/s: the same products took 1.3–2x less time, the head
-9.4 ms. The op is private to PyTorch (pinned here); where it is missing nothing is packed.
+9.7 ms (one-off runs, docs/benchmarks.md). The op is private to PyTorch (pinned here); where it is missing nothing is packed.
 
 ``pack_linears`` replaces each float32 ``nn.Linear`` of a CPU model by a ``PackedLinear`` holding the packed
 copy. The products are the same sums in another order, so logits move by float32 rounding (about 1e-5 of
