@@ -7,7 +7,8 @@ EPYC of docs/benchmarks.md a 1536 × 576 projection of 8 rows streamed its weigh
 28 GB/s the memory gives, and the 49,152-row LM head took 20.7 ms. oneDNN's matmul on a weight packed once into
 its layout (``Tensor.to_mkldnn``; ``torch.ops.mkldnn._linear_pointwise``, the op PyTorch's own compiler emits
 for fused CPU linear layers) streamed them at 11–13 GB/s: the same products took 1.3–2x less time, the head
-9.7 ms (one-off runs, docs/benchmarks.md). The op is private to PyTorch (pinned here); where it is missing nothing is packed.
+9.7 ms (one-off runs, docs/benchmarks.md). The op is private to PyTorch (pinned here); where it is missing
+nothing is packed.
 
 ``pack_linears`` replaces each float32 ``nn.Linear`` of a CPU model by a ``PackedLinear`` holding the packed
 copy. The products are the same sums in another order, so logits move by float32 rounding (about 1e-5 of
