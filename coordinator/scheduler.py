@@ -88,6 +88,7 @@ class Scheduler:
         self._samples: dict[int, tuple[Request, object]] = {}
         self._updates: dict[int, tuple[int, int]] = {}
         self._catch_up: dict[int, list[int]] = {}
+        self._draft_release: list[int] = []  # finished sequences the pinned draft still holds (its next Propose)
         self._held: set[int] = set()
         self._batch_tokens = 0
         self._admitting = 0  # sequences whose prefill is in flight
@@ -293,6 +294,7 @@ class Scheduler:
             self.draft.batches -= 1
             self.draft = None
             self._catch_up.clear()
+            self._draft_release.clear()
 
     async def _rejoin_draft(self) -> None:
         """While the batch runs without a draft, probe the drafts; re-prefill a healthy one and let it
@@ -308,6 +310,7 @@ class Scheduler:
         if draft is None:
             return
         await self._release_quietly(draft, [])
+        self._draft_release.clear()
         groups = []
         for request in self._running:
             ids = [s.sequence_id for s in request.samples if s.sequence_id in self._held]
@@ -348,6 +351,7 @@ class Scheduler:
         self._samples.clear()
         self._updates.clear()
         self._catch_up.clear()
+        self._draft_release.clear()
         self._held.clear()
         if self.lookup is not None:
             self.lookup.clear()
@@ -372,8 +376,10 @@ class Scheduler:
         self._held.difference_update(finished_ids)
         if self.lookup is not None:
             self.lookup.forget(finished_ids)
+        if self.draft is not None:  # released there in the next draft round, however many rounds skip it
+            self._draft_release.extend(finished_ids)
         for sid in finished_ids:
-            request, _ = self._samples[sid]
+            request, _ = self._samples.pop(sid)
             self._updates.pop(sid, None)
             self._catch_up.pop(sid, None)
             if all(s.sequence_id not in self._held for s in request.samples):
@@ -413,7 +419,8 @@ class Scheduler:
                                                 catch_up_token_ids=self._catch_up.pop(sid, []))
                        for sid in live]
             propose = model_pb2.ProposeRequest(batch_id=self.batch_id, draft_len=k, updates=updates,
-                                               release_sequence_ids=finished_ids)
+                                               release_sequence_ids=self._draft_release)
+            self._draft_release = []
             try:
                 reply = await draft.stub.Propose(propose, timeout=self.config.draft_timeout_s, metadata=metadata)
                 proposals = list(reply.proposals)
