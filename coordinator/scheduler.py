@@ -428,6 +428,7 @@ class Scheduler:
                 span.add_event("draft dropped", {"grpc.status_code": error.code().name})
                 self._drop_draft(error)
                 kind, k = ("lookup" if self.lookup is not None else "plain"), 0
+                start = time.monotonic()  # the round that runs instead is timed alone
         chosen = kind  # the gate judges the kind it chose: a lookup round that finds nothing is part of its cost
         if kind != "draft":
             proposals = [self._lookup_proposal(sid, looked_up.get(sid, []) if kind == "lookup" else []) for sid in live]
@@ -471,6 +472,7 @@ class Scheduler:
         wire = {p.sequence_id: p.ByteSize() for p in proposals} if kind == "draft" else {}
         tokens_proposed = tokens_accepted = 0
         accepted_lens, proposal_lens = [], []
+        emitted = 0  # tokens the samples kept (not those past a stop, an EOS or max_new_tokens)
         in_round: dict[int, Request] = {}
         with_lookup: set[int] = set()  # the requests of which a sequence verified lookup tokens
         for verdict in verdicts:
@@ -500,7 +502,9 @@ class Scheduler:
             in_round[id(request)] = request
             if tokens and kind != "draft":
                 with_lookup.add(id(request))
-            request.record(sample, sample.extend(confirmed, list(verdict.logprobs) or None))
+            delta = sample.extend(confirmed, list(verdict.logprobs) or None)
+            emitted += len(delta.token_ids)
+            request.record(sample, delta)
         for key, request in in_round.items():
             request.usage.rounds += 1
             request.usage.lookup_rounds += key in with_lookup
@@ -508,7 +512,7 @@ class Scheduler:
         for request in self._running:
             if request.finished:
                 request.complete()
-        self.draft_length.update(k, accepted_lens, seconds, proposal_lens, sampled, chosen)
+        self.draft_length.update(k, accepted_lens, seconds, proposal_lens, sampled, chosen, emitted)
         return tokens_proposed, tokens_accepted
 
     async def _fail_running(self, status: tuple[grpc.StatusCode, str]) -> None:

@@ -140,3 +140,14 @@ def test_sampled_mode_gates_sampled_batches_and_always_speculates_for_greedy_one
     everywhere = SpeculationGate.for_mode("on", probe_every=4)
     assert run_rounds(everywhere, 8, speculative_rate=50.0, plain_rate=100.0) == "SppSpppp"
     assert SpeculationGate.for_mode("off") is None
+
+
+def test_the_gate_credits_a_round_with_the_tokens_its_sequences_kept():
+    """Tokens past a sequence's stop or length limit are not output: a round that ends requests is credited with
+    what they kept, not with every accepted token."""
+    gate = SpeculationGate(probe_every=16)
+    rule = DraftLength(4, 8, gate=gate)
+    rule.update(4, [4, 4], seconds=1.0, emitted=3)  # 10 tokens confirmed, 3 kept (both sequences at their limit)
+    assert gate.rate() == {"draft": 3.0}
+    rule.update(0, [0, 0], seconds=1.0)  # without a count: every confirmed token
+    assert gate.rate() == {"draft": 3.0, "plain": 2.0}
