@@ -97,7 +97,7 @@ def engine_bass(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], n
     sampled = not params.greedy
     try:
         while live:
-            _, k = length.for_round(sampled=sampled)  # 0: a plain decode round (the gate found speculation slower)
+            _, k = length.for_round(sampled=sampled, sequences=len(live))  # 0: a plain round (the gate chose it)
             t0 = time.perf_counter()
             proposals = draft.propose(batch_id, {sid: updates[sid] for sid in live}, k, release=finished)
             t1 = time.perf_counter()

@@ -39,10 +39,12 @@ class DraftLength:
         self.adaptive = adaptive
         self.gate = gate
 
-    def for_round(self, kinds: Sequence[str] = ("draft", "plain"), sampled: bool = False) -> tuple[str, int]:
-        """The kind of the next round of a batch of this mix among the available ``kinds`` (``ROUND_KINDS``
-        order; the gate's choice, else the first) and the k the draft proposes in it (0 unless a draft round)."""
-        kind = kinds[0] if self.gate is None else self.gate.choose(kinds, sampled)
+    def for_round(self, kinds: Sequence[str] = ("draft", "plain"), sampled: bool = False, sequences: int = 1
+                  ) -> tuple[str, int]:
+        """The kind of the next round of a batch of this mix (``sampled``, ``sequences`` live) among the available
+        ``kinds`` (``ROUND_KINDS`` order; the gate's choice, else the first) and the k the draft proposes in it (0
+        unless a draft round)."""
+        kind = kinds[0] if self.gate is None else self.gate.choose(kinds, sampled, sequences)
         return kind, self.k if kind == "draft" else 0
 
     def update(self, proposed: int, accepted: list[int], seconds: float = 0.0,
@@ -55,7 +57,8 @@ class DraftLength:
         accepted token and one more per sequence); returns the next speculative k."""
         if self.gate is not None:
             kind = kind or ("draft" if proposed else "plain")
-            self.gate.record(kind, sum(accepted) + len(accepted) if emitted is None else emitted, seconds, sampled)
+            self.gate.record(kind, sum(accepted) + len(accepted) if emitted is None else emitted, seconds, sampled,
+                             len(accepted))
         capped = accepted if lengths is None else [a for a, n in zip(accepted, lengths, strict=True) if n >= proposed]
         if self.adaptive and proposed and capped:
             full = sum(a >= proposed for a in capped) / len(capped)

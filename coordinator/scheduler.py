@@ -394,7 +394,7 @@ class Scheduler:
         # add wrong choices made on the gate's first, noisy figures (docs/benchmarks.md, run K).
         available = (draft is not None, self.lookup is not None, self.lookup is None or sampled)
         kinds = [kind for kind, ok in zip(ROUND_KINDS, available, strict=True) if ok]
-        kind, k = self.draft_length.for_round(kinds, sampled)
+        kind, k = self.draft_length.for_round(kinds, sampled, len(live))
         # A round serves many requests: a root span of its own, linked to the span of each request in it.
         traced = [r.span for r in in_round if r.span is not None]
         span = telemetry.start_span("coordinator.round", links=traced, attributes={

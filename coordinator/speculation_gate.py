@@ -18,9 +18,12 @@ kind changes the output: greedy output stays the target's, and a sampled token c
 distribution whichever kind produced it.
 
 The figures belong to a batch's *mix*: whether any of its sequences samples (temperature > 0) or all are
-greedy. Acceptance, and with it what speculation is worth, differs most between the two (a draft that pays
-at greedy can lose at T = 0.8), so a greedy batch is never judged by figures a sampled one left, and the
-other way round. The owner calls ``reset`` when a batch ends: the next batch may be another workload.
+greedy, and how many sequences it has, in powers of two (1, 2, 3–4, 5–8, ...). Acceptance, and with it what
+speculation is worth, differs most between greedy and sampled (a draft that pays at greedy can lose at
+T = 0.8), so a greedy batch is never judged by figures a sampled one left, and the other way round. A
+batch's tokens per second follow its size, so a kind measured while the batch was small is not compared
+with one measured once requests joined: a batch that grows or shrinks past a power of two measures its kinds
+again. The owner calls ``reset`` when a batch ends: the next batch may be another workload.
 
 Which mixes it judges is a mode (``serve coordinator --speculation-gate off|sampled|on``): ``on``, the
 default, gates both mixes; ``sampled`` gates batches with a sampled sequence and always runs the first kind
@@ -54,7 +57,8 @@ class _Figures:
 
 
 class SpeculationGate:
-    """Which kind of round runs next, for each mix (any sampled sequence, or all greedy)."""
+    """Which kind of round runs next, for each mix (any sampled sequence or all greedy; the batch's size in
+    powers of two)."""
 
     def __init__(self, probe_every: int = PROBE_EVERY, smoothing: float = SMOOTHING, sampled_only: bool = False
                  ) -> None:
@@ -68,22 +72,23 @@ class SpeculationGate:
         self.probe_every = probe_every
         self.smoothing = smoothing
         self.sampled_only = sampled_only
-        self._mixes: dict[bool, _Figures] = {}
+        self._mixes: dict[tuple[bool, int], _Figures] = {}
 
-    def rate(self, sampled: bool = False) -> dict[str, float]:
+    def rate(self, sampled: bool = False, sequences: int = 1) -> dict[str, float]:
         """The mix's moving averages of tokens per second, by kind, of the kinds measured since the last
         ``reset``."""
-        return dict(self._figures(sampled).rate)
+        return dict(self._figures(sampled, sequences).rate)
 
-    def fastest(self, kinds: Sequence[str], sampled: bool = False) -> str:
+    def fastest(self, kinds: Sequence[str], sampled: bool = False, sequences: int = 1) -> str:
         """The kind of ``kinds`` with the highest measured rate for the mix (``kinds[0]`` while none is
         measured)."""
-        rate = self._figures(sampled).rate
+        rate = self._figures(sampled, sequences).rate
         measured = [kind for kind in kinds if kind in rate]
         return max(measured, key=rate.__getitem__) if measured else kinds[0]
 
-    def choose(self, kinds: Sequence[str], sampled: bool = False) -> str:
-        """The kind of the next round of a batch of this mix, among the ``kinds`` available now (in
+    def choose(self, kinds: Sequence[str], sampled: bool = False, sequences: int = 1) -> str:
+        """The kind of the next round of a batch of this mix (``sampled``: any sequence samples; ``sequences``:
+        its live sequences), among the ``kinds`` available now (in
         ``ROUND_KINDS`` order; at least one). ``kinds[0]`` when it is the only one or the gate does not judge
         the mix; else the first kind not measured yet; else the fastest, except in a probe round, which runs
         the other kind measured longest ago: the first at round ``probe_every``, each next one ``probe_every``
@@ -91,21 +96,21 @@ class SpeculationGate:
         confirmed the choice."""
         if len(kinds) == 1 or (self.sampled_only and not sampled):
             return kinds[0]
-        figures = self._figures(sampled)
+        figures = self._figures(sampled, sequences)
         unmeasured = [kind for kind in kinds if kind not in figures.rate]
         if unmeasured:
             return unmeasured[0]
-        fastest = self.fastest(kinds, sampled)
+        fastest = self.fastest(kinds, sampled, sequences)
         if figures.rounds < figures.next_probe:
             return fastest
         return min((kind for kind in kinds if kind != fastest), key=figures.measured_at.__getitem__)
 
-    def record(self, kind: str, tokens: int, seconds: float, sampled: bool = False) -> None:
+    def record(self, kind: str, tokens: int, seconds: float, sampled: bool = False, sequences: int = 1) -> None:
         """Account one finished round of ``kind`` for the mix: ``tokens`` emitted by the batch in ``seconds``
         (nothing for a mix the gate does not judge; no figure for a round that emitted nothing)."""
         if self.sampled_only and not sampled:
             return
-        figures = self._figures(sampled)
+        figures = self._figures(sampled, sequences)
         index = figures.rounds
         figures.rounds += 1
         if seconds > 0 and tokens > 0:
@@ -114,7 +119,7 @@ class SpeculationGate:
             figures.rate[kind] = rate if old is None else old + self.smoothing * (rate - old)
             figures.measured_at[kind] = index
         if index >= figures.next_probe:  # the probe's round: the kind it ran still slower backs the next off
-            confirmed = self.fastest(list(figures.rate) or [kind], sampled) != kind
+            confirmed = self.fastest(list(figures.rate) or [kind], sampled, sequences) != kind
             figures.gap = min(2 * figures.gap, PROBE_BACKOFF * self.probe_every) if confirmed else self.probe_every
             figures.next_probe = index + figures.gap
 
@@ -130,8 +135,9 @@ class SpeculationGate:
             raise ValueError(f"speculation gate mode must be one of {GATE_MODES}, got {mode!r}")
         return None if mode == "off" else cls(probe_every, sampled_only=mode == "sampled")
 
-    def _figures(self, sampled: bool) -> _Figures:
-        figures = self._mixes.get(sampled)
+    def _figures(self, sampled: bool, sequences: int) -> _Figures:
+        mix = (sampled, max(sequences - 1, 0).bit_length())  # sizes 1, 2, 3-4, 5-8, ... share figures
+        figures = self._mixes.get(mix)
         if figures is None:
-            figures = self._mixes[sampled] = _Figures(next_probe=self.probe_every - 1, gap=self.probe_every)
+            figures = self._mixes[mix] = _Figures(next_probe=self.probe_every - 1, gap=self.probe_every)
         return figures

@@ -85,14 +85,14 @@ def test_three_kinds_are_measured_in_order_then_the_fastest_runs_and_probes_take
 
 def test_draft_length_with_a_gate_proposes_nothing_in_plain_rounds():
     gate = SpeculationGate(probe_every=2)
-    rule = DraftLength(3, 8, gate=gate)
-    assert rule.for_round() == ("draft", 3)
+    rule = DraftLength(3, 8, gate=gate)  # a batch of two sequences
+    assert rule.for_round(sequences=2) == ("draft", 3)
     rule.update(3, [3, 3], seconds=1.0)  # k grows to 4 ...
-    assert rule.for_round() == ("plain", 0)  # ... but this round measures plain decoding
+    assert rule.for_round(sequences=2) == ("plain", 0)  # ... but this round measures plain decoding
     assert rule.update(0, [0, 0], seconds=0.1) == 4  # a plain round leaves k alone
-    assert rule.for_round(("draft", "lookup", "plain")) == ("lookup", 0)  # a kind not measured yet runs
+    assert rule.for_round(("draft", "lookup", "plain"), sequences=2) == ("lookup", 0)  # a kind not measured yet runs
     assert rule.update(0, [2, 1], seconds=0.1, kind="lookup") == 4  # a lookup round's tokens count for lookup
-    assert gate.rate() == {"draft": 8.0, "plain": 20.0, "lookup": 50.0}
+    assert gate.rate(sequences=2) == {"draft": 8.0, "plain": 20.0, "lookup": 50.0}
     assert DraftLength(3, 8).for_round() == ("draft", 3)  # no gate: always the first kind
     assert DraftLength(3, 8).for_round(("lookup", "plain")) == ("lookup", 0)
 
@@ -125,9 +125,9 @@ def test_reset_forgets_the_figures_and_the_grown_k():
     rule = DraftLength(3, 8, gate=gate)
     rule.update(3, [3, 3], seconds=1.0)
     rule.update(0, [0, 0], seconds=0.01)  # plain rounds far faster: the gate would stop speculating
-    assert rule.k == 4 and gate.fastest(TWO_KINDS) == "plain"
+    assert rule.k == 4 and gate.fastest(TWO_KINDS, sequences=2) == "plain"
     rule.reset()
-    assert rule.k == 3 and gate.rate() == {}
+    assert rule.k == 3 and gate.rate(sequences=2) == {}
     assert rule.for_round() == ("draft", 3)  # the first round of the fresh batch speculates again
 
 
@@ -148,6 +148,20 @@ def test_the_gate_credits_a_round_with_the_tokens_its_sequences_kept():
     gate = SpeculationGate(probe_every=16)
     rule = DraftLength(4, 8, gate=gate)
     rule.update(4, [4, 4], seconds=1.0, emitted=3)  # 10 tokens confirmed, 3 kept (both sequences at their limit)
-    assert gate.rate() == {"draft": 3.0}
+    assert gate.rate(sequences=2) == {"draft": 3.0}
     rule.update(0, [0, 0], seconds=1.0)  # without a count: every confirmed token
-    assert gate.rate() == {"draft": 3.0, "plain": 2.0}
+    assert gate.rate(sequences=2) == {"draft": 3.0, "plain": 2.0}
+
+
+def test_gate_measures_again_when_the_batch_grows_past_a_power_of_two():
+    """A kind measured on one sequence is not compared with one measured once seven more joined: at eight
+    sequences both kinds run first again, and the draft, faster at every size here, wins there too."""
+    gate = SpeculationGate(probe_every=16)
+    gate.record("draft", 2, 0.1, sequences=1)  # one sequence: 20 tokens/s
+    assert gate.choose(TWO_KINDS, sequences=8) == "draft"  # eight: nothing measured yet, the first kind
+    gate.record("draft", 16, 0.15, sequences=8)  # 107 tokens/s
+    assert gate.choose(TWO_KINDS, sequences=8) == "plain"
+    gate.record("plain", 8, 0.1, sequences=7)  # 80 tokens/s; 5-8 sequences share figures
+    assert gate.choose(TWO_KINDS, sequences=6) == "draft"
+    assert gate.choose(TWO_KINDS, sequences=1) == "plain"  # one sequence: plain still unmeasured there
+    assert gate.rate(sequences=1) == {"draft": 20.0} and set(gate.rate(sequences=5)) == {"draft", "plain"}

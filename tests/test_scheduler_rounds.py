@@ -34,7 +34,8 @@ class ScriptedRounds(DraftLength):
         self.kinds: list[str] = []
         self.kept: list[int] = []
 
-    def for_round(self, kinds: Sequence[str] = ("draft", "plain"), sampled: bool = False) -> tuple[str, int]:
+    def for_round(self, kinds: Sequence[str] = ("draft", "plain"), sampled: bool = False, sequences: int = 1
+                  ) -> tuple[str, int]:
         scripted = next(self._script)
         kind = scripted if scripted in kinds else kinds[0]
         self.kinds.append(kind)
