@@ -146,9 +146,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             try:
                 while (chunk := await job.chunks.get()) is not None:
                     yield chunk
-            except asyncio.CancelledError:
-                self.router.cancel(job)
-                raise
+            finally:  # a client that left mid-send closes the stream with GeneratorExit, not CancelledError
+                if not job.done.is_set():
+                    self.router.cancel(job)
             if job.error is not None:
                 await self._abort(context, call, *job.error)
             yield coordinator_pb2.GenerateChunk(usage=job.usage, timing=job.timing())

@@ -115,6 +115,21 @@ def test_cancelled_stream_and_deadline_release_sessions(deployment):
     wait_released(deployment)
 
 
+def test_a_stream_cancelled_at_any_chunk_stops_its_sequences_at_once(deployment):
+    """However the client's cancel meets the handler (waiting for the next chunk, or sending one, which closes
+    the handler's generator without a CancelledError), the request's sequences leave the batch within a round
+    or two, long before its 480 sampled tokens could finish (seconds on a CPU)."""
+    stub = coordinator_stub(deployment.coordinator_address)
+    for chunks in (1, 3, 6, 10, 15):
+        request = long_request(n=16, max_new=480)
+        request.temperature = 1.0
+        stream = stub.GenerateStream(request, timeout=300)
+        for _ in range(chunks):
+            next(stream)
+        stream.cancel()
+        wait_released(deployment, timeout_s=2.0)
+
+
 def test_full_queue_answers_resource_exhausted(checkpoints, tmp_path):
     bounds = ["--max-queue", "1", "--max-batch-sequences", "1"]
     with Deployment(str(checkpoints["llama"]), None, coordinator_args=bounds, log_dir=tmp_path) as deployment:
