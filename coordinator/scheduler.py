@@ -378,12 +378,14 @@ class Scheduler:
             self.lookup.forget(finished_ids)
         if self.draft is not None:  # released there in the next draft round, however many rounds skip it
             self._draft_release.extend(finished_ids)
+        left: dict[int, Request] = {}  # requests whose last sequences finished (several may end one request)
         for sid in finished_ids:
             request, _ = self._samples.pop(sid)
             self._updates.pop(sid, None)
             self._catch_up.pop(sid, None)
             if all(s.sequence_id not in self._held for s in request.samples):
-                self._batch_tokens -= self._tokens(request)
+                left[id(request)] = request
+        self._batch_tokens -= sum(self._tokens(request) for request in left.values())
         live = self._live()
         draft = self.draft
         in_round = [r for r in self._running if any(s.sequence_id in self._held for s in r.samples)]

@@ -25,7 +25,8 @@ from serving.tls import TLSFiles
 
 class ScriptedRounds(DraftLength):
     """A fixed k whose rounds follow ``script`` (cycled; the first kind available where the scripted one is not)
-    instead of a speculation gate's measurements; notes each round's kind and the sequences its batch keeps."""
+    instead of a speculation gate's measurements; notes each round's kind, the sequences its batch keeps and
+    the tokens it counts against ``--max-batch-tokens``."""
 
     def __init__(self, script: Sequence[str]) -> None:
         super().__init__(4, 4, adaptive=False)
@@ -33,6 +34,7 @@ class ScriptedRounds(DraftLength):
         self.scheduler: Scheduler | None = None
         self.kinds: list[str] = []
         self.kept: list[int] = []
+        self.batch_tokens: list[int] = []
 
     def for_round(self, kinds: Sequence[str] = ("draft", "plain"), sampled: bool = False, sequences: int = 1
                   ) -> tuple[str, int]:
@@ -40,6 +42,7 @@ class ScriptedRounds(DraftLength):
         kind = scripted if scripted in kinds else kinds[0]
         self.kinds.append(kind)
         self.kept.append(len(self.scheduler._samples))
+        self.batch_tokens.append(self.scheduler._batch_tokens)
         return kind, self.k if kind == "draft" else 0
 
 
@@ -78,7 +81,8 @@ async def _run(target_address: str, draft_address: str, script: Sequence[str],
 def test_sequences_finishing_in_rounds_without_the_draft_are_released_there_later(deployments, checkpoints):
     """A short request finishes in a lookup round (no Propose): the draft hears of it in the next draft round, so
     that round succeeds and the draft stays with the batch (it was dropped and re-prefilled before). The batch
-    also forgets a finished request's sequences while the others run on. Output stays HF greedy's."""
+    also forgets a finished request's sequences, and its tokens, while the others run on (a request whose
+    samples finish together counts once). Output stays HF greedy's."""
     deployment = deployments("llama", "llama")
     jobs = [(prompts()[2], 2, 6), (prompts()[3], 1, 7), (prompts()[1], 1, 48)]
     requests, scheduler, rounds = asyncio.run(_run(
@@ -96,3 +100,5 @@ def test_sequences_finishing_in_rounds_without_the_draft_are_released_there_late
     assert scheduler.draft is not None and scheduler.draft.healthy
     # once the short requests are done only the long one's sequence is kept
     assert rounds.kept[0] == 4 and rounds.kept[-1] == 1
+    assert rounds.batch_tokens[0] == sum(Scheduler._tokens(r) for r in requests)
+    assert rounds.batch_tokens[-1] == Scheduler._tokens(requests[2])
