@@ -57,7 +57,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def _submit(self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
                       stream: bool, call: _Call) -> Request:
         try:
-            spec = validate_request(request, self._limits(), self.router.codec)
+            # off the event loop: a long text prompt takes a while to tokenize, and other calls stream meanwhile
+            spec = await asyncio.to_thread(validate_request, request, self._limits(), self.router.codec)
         except InvalidRequest as error:
             await self._abort(context, call, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         call.span.set_attributes({

@@ -10,6 +10,14 @@ class TextCodec:
 
     def __init__(self, tokenizer_json: str) -> None:
         self._tokenizer = Tokenizer.from_str(tokenizer_json) if tokenizer_json else None
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True) if self._tokenizer is not None else {}
+        self._longest = max(map(len, vocab), default=1)
+
+    def max_chars(self, tokens: int) -> int:
+        """A text longer than this cannot encode to ``tokens`` tokens or fewer: no token covers more characters
+        than the longest vocabulary entry (bytes, for byte-level tokenizers), doubled for normalizers that drop
+        characters."""
+        return 2 * tokens * self._longest
 
     @property
     def available(self) -> bool:

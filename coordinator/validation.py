@@ -64,6 +64,8 @@ def validate_request(request: coordinator_pb2.GenerateRequest, limits: Limits, c
     for stop in request.stop:
         if not stop or len(stop) > MAX_STOP_CHARS:
             raise InvalidRequest("stop", f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
+    if request.stop and not codec.available:
+        raise InvalidRequest("stop", "the model has no tokenizer, so its output has no text to stop on")
     if request.prompt_token_ids:
         prompt = list(request.prompt_token_ids)
         bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
@@ -73,11 +75,17 @@ def validate_request(request: coordinator_pb2.GenerateRequest, limits: Limits, c
     elif request.prompt:
         if not codec.available:
             raise InvalidRequest("prompt", "the model has no tokenizer; send prompt_token_ids")
+        if len(request.prompt) > codec.max_chars(limits.max_context):
+            raise InvalidRequest("prompt", f"{len(request.prompt)} characters cannot fit the model context of "
+                                           f"{limits.max_context} tokens; shorten it")
         prompt = codec.encode(request.prompt)
         if not prompt:
             raise InvalidRequest("prompt", "tokenizes to no tokens")
     else:
         raise InvalidRequest("prompt", "empty: set prompt or prompt_token_ids")
+    if len(prompt) >= limits.max_context:
+        raise InvalidRequest("prompt", f"{len(prompt)} tokens leave no room for output in the model context of "
+                                       f"{limits.max_context} tokens; shorten it")
     if len(prompt) + max_new > limits.max_context:
         raise InvalidRequest(
             "max_new_tokens",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ from conftest import coordinator_stub
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from deployment.processes import free_port
+from deployment.processes import Deployment, free_port
 from specserve.v1 import coordinator_pb2
 
 R = coordinator_pb2.GenerateRequest
@@ -26,6 +27,9 @@ BAD = [
     pytest.param(R(prompt_token_ids=[5, 10_000]), "prompt_token_ids", id="id-beyond-vocab"),
     pytest.param(R(prompt_token_ids=[-1]), "prompt_token_ids", id="negative-id"),
     pytest.param(R(prompt_token_ids=[5] * 500, max_new_tokens=64), "max_new_tokens", id="beyond-context"),
+    pytest.param(R(prompt_token_ids=[5] * 512, max_new_tokens=1), "prompt", id="prompt-fills-the-context"),
+    # refused before tokenizing (seconds of the coordinator's time): no 512 tokens cover 2M characters
+    pytest.param(R(prompt="x = 1\n" * 400_000), "prompt", id="text-prompt-beyond-context"),
     pytest.param(R(prompt_token_ids=[5], temperature=-1.0), "temperature", id="temperature-negative"),
     pytest.param(R(prompt_token_ids=[5], temperature=float("nan")), "temperature", id="temperature-nan"),
     pytest.param(R(prompt_token_ids=[5], top_p=0.0), "top_p", id="top-p-zero"),
@@ -46,6 +50,23 @@ def test_invalid_argument_names_field_and_server_keeps_serving(deployments, requ
     assert raised.value.details().startswith(f"{field}:")
     ok = stub.Generate(R(prompt_token_ids=[5, 6], n=2, max_new_tokens=3, ignore_eos=True), timeout=60)
     assert [len(c.token_ids) for c in ok.completions] == [3, 3]
+
+
+def test_stop_strings_need_a_tokenizer(checkpoints, tmp_path):
+    """A model shipped without a tokenizer has no output text: a stop string could never match, so the request is
+    refused (it finished at max_new_tokens before), and token-id requests are still served."""
+    model = tmp_path / "no-tokenizer"
+    model.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(checkpoints["llama"] / name, model / name)
+    with Deployment(str(model), None, log_dir=tmp_path) as deployment:
+        stub = coordinator_stub(deployment.coordinator_address)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Generate(R(prompt_token_ids=[5, 6], max_new_tokens=4, stop=["\n"]), timeout=60)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert raised.value.details().startswith("stop:") and "tokenizer" in raised.value.details()
+        ok = stub.Generate(R(prompt_token_ids=[5, 6], max_new_tokens=3, ignore_eos=True), timeout=60)
+        assert len(ok.completions[0].token_ids) == 3
 
 
 def test_health_and_reflection_on_every_server(deployments):
