@@ -80,8 +80,9 @@ def apply_verdict(state: SequenceState, accepted_len: int, next_token: int,
     else:
         state.pending = state.pending + list(catch_up) + [next_token]
     if state.lookup is not None:
-        confirmed = [*proposed[:accepted_len], *catch_up, next_token]
-        state.lookup.advance(confirmed, scored=not catch_up)
+        # after rounds the draft skipped, catch_up[0] is the target's token where the last proposal stopped
+        # matching, so the proposal is scored on the true continuation either way
+        state.lookup.advance([*proposed[:accepted_len], *catch_up, next_token])
     state.proposed = []
 
 

@@ -132,10 +132,10 @@ class PromptLookup:
                 self.score.lookup_accepted += 1
         self._disputed, self._found = None, []
 
-    def advance(self, confirmed: Sequence[int], scored: bool = True) -> None:
-        """The round's outcome: score the last proposal against the ``confirmed`` tokens (``settle``; not when
-        ``scored`` is False, e.g. tokens the sequence missed rounds for), then append them (``extend``)."""
-        self.settle(confirmed if scored else None)
+    def advance(self, confirmed: Sequence[int]) -> None:
+        """The round's outcome: score the last proposal against the ``confirmed`` tokens, which continue the
+        context from its first position (``settle``), then append them (``extend``)."""
+        self.settle(confirmed)
         self.extend(confirmed)
 
     def extend(self, tokens: Sequence[int]) -> None:

@@ -6,13 +6,15 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from hf_oracle import greedy
 
 import engine.draft
 from bench.speculative import engine_bass
 from coordinator.draft_length import DraftLength
+from engine.batch import SequenceState
 from engine.checkpoint import load_checkpoint
-from engine.draft import DraftRuntime
+from engine.draft import DraftRuntime, apply_verdict
 from engine.prompt_lookup import LookupScore, PromptLookup, PromptNgrams
 from engine.sampling import SamplingParams
 from engine.target import TargetRuntime
@@ -139,12 +141,27 @@ def test_lookup_confidence_scores_continuations_proposed_or_not():
     assert score.lookup_tried == 2
 
 
-def test_advance_scores_the_proposal_unless_told_not_to_and_extends_the_context_either_way():
-    """``advance`` is ``settle`` then ``extend``; with ``scored=False`` (tokens from rounds the sequence missed)
-    the last proposal is dropped unscored."""
-    for scored, tried in ((True, 1), (False, 0)):
-        lookup = PromptLookup(PromptNgrams([1, 2, 3, 1, 2], 2, 2), LookupScore())
-        assert lookup.confident(4, 0.0) == [3, 1, 2]
-        lookup.advance([7, 1, 2], scored=scored)
-        assert (lookup.score.lookup_accepted, lookup.score.lookup_tried) == (0, tried)
-        assert len(lookup) == 8 and lookup.propose(2) == [7, 1]  # [1, 2] last followed by 7 now
+def test_advance_scores_the_proposal_and_extends_the_context():
+    """``advance`` is ``settle`` then ``extend``."""
+    lookup = PromptLookup(PromptNgrams([1, 2, 3, 1, 2], 2, 2), LookupScore())
+    assert lookup.confident(4, 0.0) == [3, 1, 2]
+    lookup.advance([7, 1, 2])
+    assert (lookup.score.lookup_accepted, lookup.score.lookup_tried) == (0, 1)
+    assert len(lookup) == 8 and lookup.propose(2) == [7, 1]  # [1, 2] last followed by 7 now
+
+
+def test_the_draft_scores_its_last_proposal_after_rounds_it_skipped():
+    """Rounds without the draft reach it as catch-up tokens, which continue the text right where its last
+    proposal stopped matching, so that proposal is scored on them (it went unscored before)."""
+    lookup = PromptLookup(PromptNgrams([1, 2, 3, 1, 2], 2, 2), LookupScore())
+    found = lookup.propose(4)
+    assert found == [3, 1, 2]
+    lookup.choose(found, model_first=9)  # the draft model would have begun with 9
+    state = SequenceState(1, 0, SamplingParams(), torch.Generator(), decoded=2, proposed=[3, 1, 2], lookup=lookup)
+    # the target took 3, corrected 1 to 5; two skipped rounds confirmed 6, 7, and now 8
+    apply_verdict(state, 1, 8, catch_up=[5, 6, 7])
+    score = lookup.score
+    assert (score.lookup_right, score.model_right) == (1, 0)
+    assert (score.lookup_accepted, score.lookup_tried) == (1, 2)
+    assert state.pending == [5, 6, 7, 8] and state.decoded == 1
+    assert lookup.generated == [3, 5, 6, 7, 8]
