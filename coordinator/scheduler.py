@@ -413,7 +413,6 @@ class Scheduler:
         # what lookup finds is scored in every round; a draft-free round verifies it
         looked_up = {sid: self.lookup.propose(sid, self._lookup_limit(sid)) for sid in live} if self.lookup else {}
         proposals: list[model_pb2.Proposal] = []
-        settling = False
         start = time.monotonic()
         skip_draft = draft is not None and kind != "draft"  # the draft hears of this round's tokens next time
         if kind == "draft":
@@ -421,8 +420,6 @@ class Scheduler:
                                                 next_token_id=self._updates[sid][1],
                                                 catch_up_token_ids=self._catch_up.pop(sid, []))
                        for sid in live]
-            # a draft that skipped rounds first runs over their tokens: this round's speed is not the draft's
-            settling = any(update.catch_up_token_ids for update in updates)
             propose = model_pb2.ProposeRequest(batch_id=self.batch_id, draft_len=k, updates=updates,
                                                release_sequence_ids=self._draft_release)
             self._draft_release = []
@@ -433,7 +430,7 @@ class Scheduler:
                 span.add_event("draft dropped", {"grpc.status_code": error.code().name})
                 self._drop_draft(error)
                 kind, k = ("lookup" if self.lookup is not None else "plain"), 0
-                start, settling = time.monotonic(), False  # the round that runs instead is timed alone
+                start = time.monotonic()  # the round that runs instead is timed alone
         chosen = kind  # the gate judges the kind it chose: a lookup round that finds nothing is part of its cost
         if kind != "draft":
             proposals = [self._lookup_proposal(sid, looked_up.get(sid, []) if kind == "lookup" else []) for sid in live]
@@ -449,7 +446,7 @@ class Scheduler:
             await self._fail_running(self._status(error, self.target))
             return
         tokens_proposed, tokens_accepted = self._apply(proposals, verified.verdicts, kind, k, skip_draft,
-                                                       time.monotonic() - start, sampled, chosen, settling)
+                                                       time.monotonic() - start, sampled, chosen)
         self.metrics.round_done(len(live), tokens_proposed, tokens_accepted, kind)
         span.set_attributes({"specserve.draft_len": k, "specserve.round_kind": kind,
                              "specserve.tokens_proposed": tokens_proposed,
@@ -466,11 +463,11 @@ class Scheduler:
         return lookup_proposal(sequence_id, tokens, self._samples[sequence_id][0].spec.sampling.greedy)
 
     def _apply(self, proposals: list[model_pb2.Proposal], verdicts: list[model_pb2.Verdict], kind: str, k: int,
-               skipped_draft: bool, seconds: float, sampled: bool, chosen: str, settling: bool) -> tuple[int, int]:
+               skipped_draft: bool, seconds: float, sampled: bool, chosen: str) -> tuple[int, int]:
         """Extend each sample by its verdict, complete finished requests and account the round (of ``kind``,
         with draft length ``k``; ``seconds`` long, of the batch's mix ``sampled``) in the usage, and in the draft
-        length and its gate as a round of the ``chosen`` kind (``settling``: no figure for it); returns the
-        round's (tokens proposed, accepted) over its verdicts. After a round that
+        length and its gate as a round of the ``chosen`` kind; returns the round's (tokens proposed, accepted)
+        over its verdicts. After a round that
         ``skipped_draft``, each sequence's update still answers its last proposal and the tokens confirmed
         since queue as catch-up."""
         proposed = {p.sequence_id: list(p.token_ids) for p in proposals}
@@ -517,7 +514,7 @@ class Scheduler:
         for request in self._running:
             if request.finished:
                 request.complete()
-        self.draft_length.update(k, accepted_lens, seconds, proposal_lens, sampled, chosen, emitted, settling)
+        self.draft_length.update(k, accepted_lens, seconds, proposal_lens, sampled, chosen, emitted)
         return tokens_proposed, tokens_accepted
 
     async def _fail_running(self, status: tuple[grpc.StatusCode, str]) -> None:

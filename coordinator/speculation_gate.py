@@ -105,19 +105,14 @@ class SpeculationGate:
             return fastest
         return min((kind for kind in kinds if kind != fastest), key=figures.measured_at.__getitem__)
 
-    def record(self, kind: str, tokens: int, seconds: float, sampled: bool = False, sequences: int = 1,
-               settling: bool = False) -> None:
+    def record(self, kind: str, tokens: int, seconds: float, sampled: bool = False, sequences: int = 1) -> None:
         """Account one finished round of ``kind`` for the mix: ``tokens`` emitted by the batch in ``seconds``
-        (nothing for a mix the gate does not judge; no figure for a round that emitted nothing). A ``settling``
-        round also paid for switching to its kind (a draft catching up on the rounds it skipped): it sets no
-        figure, and when it was a probe the next round probes the same kind again."""
+        (nothing for a mix the gate does not judge; no figure for a round that emitted nothing)."""
         if self.sampled_only and not sampled:
             return
         figures = self._figures(sampled, sequences)
         index = figures.rounds
         figures.rounds += 1
-        if settling:
-            return
         if seconds > 0 and tokens > 0:
             rate = tokens / seconds
             old = figures.rate.get(kind)

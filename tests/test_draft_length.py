@@ -165,23 +165,3 @@ def test_gate_measures_again_when_the_batch_grows_past_a_power_of_two():
     assert gate.choose(TWO_KINDS, sequences=6) == "draft"
     assert gate.choose(TWO_KINDS, sequences=1) == "plain"  # one sequence: plain still unmeasured there
     assert gate.rate(sequences=1) == {"draft": 20.0} and set(gate.rate(sequences=5)) == {"draft", "plain"}
-
-
-def test_a_settling_round_sets_no_figure_and_its_probe_runs_again():
-    """The first draft round after lookup rounds also runs the draft over their tokens: that round is slower than
-    the draft is, so it sets no figure, and the probe it was runs again and measures the draft itself."""
-    gate = SpeculationGate(probe_every=4)
-    kinds = ("draft", "lookup")
-    gate.record("draft", 8, 0.1)  # 80 tokens/s
-    gate.record("lookup", 12, 0.1)  # 120: lookup runs, the draft is skipped
-    assert gate.choose(kinds) == "lookup"
-    gate.record("lookup", 12, 0.1)
-    assert gate.choose(kinds) == "draft"  # round 3: the first probe
-    gate.record("draft", 16, 0.4, settling=True)  # it caught up on rounds 1-2: 40 tokens/s, not the draft's speed
-    assert gate.rate() == {"draft": 80.0, "lookup": 120.0}
-    assert gate.choose(kinds) == "draft"  # the probe again
-    gate.record("draft", 40, 0.1)  # 400 tokens/s: the draft is faster now
-    assert gate.rate()["draft"] == 80.0 + 0.25 * 320.0 and gate.fastest(kinds) == "draft"
-    rule = DraftLength(4, 8, gate=SpeculationGate())
-    rule.update(4, [4], seconds=1.0, settling=True)
-    assert rule.gate.rate() == {} and rule.k == 5  # no figure; k still follows the round's acceptance
