@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidInput, KVBudgetExceeded, ModelLoading, UnknownBatch
+from serving.compute_loop import LoopClosed
 from serving.tls import TLSFiles
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (UnknownBatch, grpc.StatusCode.NOT_FOUND),
     (KVBudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ModelLoading, grpc.StatusCode.UNAVAILABLE),
+    (LoopClosed, grpc.StatusCode.UNAVAILABLE),
 ]
 
 Handler = TypeVar("Handler", bound=Callable[..., Any])

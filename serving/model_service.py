@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import signal
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -23,6 +21,7 @@ from engine.runtime import ModelRuntime, Prefilled
 from engine.sampling import CompactDistribution, SamplingParams
 from kernels import backend_for_device
 from serving import telemetry
+from serving.compute_loop import ComputeLoop
 from serving.grpc_server import CallerGone, create_server, grpc_errors, set_serving
 from serving.metrics import CallMetricsInterceptor, ModelMetrics, start_metrics_server
 from serving.tls import TLSFiles
@@ -69,9 +68,9 @@ class ModelServicer:
 
     def __init__(self) -> None:
         self.runtime: Any = None
-        # All model work runs on this one thread: torch keeps one OpenMP thread team per calling thread, so
-        # handing forwards to whichever gRPC worker took the call would multiply the teams (and the spinning).
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-compute")
+        # All model work runs on the thread that loads the model and then serves this loop (serve_model): torch
+        # keeps one OpenMP thread team per calling thread, and a second team makes every operator pay a wake-up.
+        self.compute = ComputeLoop()
         self.metrics = ModelMetrics()
         self.model_attributes: dict[str, Any] = {}
 
@@ -82,9 +81,10 @@ class ModelServicer:
         self.runtime = runtime
 
     def on_compute_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` on the service's single compute thread, in the caller's context (so the current
-        trace span stays the parent), and return its result (or raise)."""
-        return self._compute.submit(contextvars.copy_context().run, fn, *args).result()
+        """Run ``fn(*args)`` on the service's single compute thread (the one that loaded the model), in the
+        caller's context (so the current trace span stays the parent), and return its result (or raise);
+        LoopClosed (UNAVAILABLE) once the service has shut down."""
+        return self.compute.call(fn, *args)
 
     def _ready(self, context: grpc.ServicerContext) -> Any:
         if self.runtime is None:
@@ -186,8 +186,10 @@ def serve_model(servicer: ModelServicer, add_to_server: Callable[[Any, grpc.Serv
                 runtime_factory: Callable[..., ModelRuntime], args: Any) -> int:
     """Bind the port, report NOT_SERVING while the model loads, then serve until terminated.
 
-    Tracing follows the ``OTEL_*`` environment (see serving.telemetry); Prometheus metrics are served
-    on ``--metrics-port`` when it is non-zero. Flags that cannot run on this machine end the process with
+    The calling thread loads the model and then runs every model call (``servicer.compute``); SIGTERM/SIGINT
+    report NOT_SERVING and let calls in flight finish for up to SHUTDOWN_GRACE_S seconds. Tracing follows the
+    ``OTEL_*`` environment (see serving.telemetry); Prometheus metrics are served on ``--metrics-port`` when it
+    is non-zero. Flags that cannot run on this machine end the process with
     a one-line message before anything is bound.
     """
     try:
@@ -203,6 +205,7 @@ def serve_model(servicer: ModelServicer, add_to_server: Callable[[Any, grpc.Serv
     add_to_server(servicer, server)
     server.start()
     log.info("%s listening on %s:%d, loading %s", service_name, args.host, port, args.model)
+    # loaded on this thread, which then runs every call (serving.compute_loop: one OpenMP team per process)
     checkpoint = load_checkpoint(args.model, args.dtype, device)
     runtime = runtime_factory(checkpoint, **options)
     servicer.set_runtime(runtime)
@@ -210,13 +213,19 @@ def serve_model(servicer: ModelServicer, add_to_server: Callable[[Any, grpc.Serv
     log.info("%s serving %s on %s:%d (%s, %s, %s attention, CUDA graphs %s)", service_name, checkpoint.name,
              args.host, port, device, runtime.decoder.dtype, runtime.attention_backend,
              "on" if runtime.cuda_graphs else "off")
-    stop = threading.Event()  # set by SIGTERM/SIGINT; the loop below also expires idle batches
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(JANITOR_PERIOD_S):
+
+    def expire_idle() -> None:
         for batch_id in runtime.expire_idle():
             log.info("expired idle batch %s", batch_id)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: servicer.compute.stop())
+    servicer.compute.serve(expire_idle, JANITOR_PERIOD_S)  # until SIGTERM/SIGINT
     log.info("%s shutting down: NOT_SERVING, draining for up to %.0fs", service_name, SHUTDOWN_GRACE_S)
     set_serving(health_servicer, [service_name], False)
-    server.stop(SHUTDOWN_GRACE_S).wait()
+    stopped = server.stop(SHUTDOWN_GRACE_S)
+    # calls in flight still run here until they are done or the grace has passed
+    threading.Thread(target=lambda: (stopped.wait(), servicer.compute.stop()), daemon=True).start()
+    servicer.compute.serve(expire_idle, JANITOR_PERIOD_S)
+    servicer.compute.close()
     return 0

@@ -290,6 +290,34 @@ def test_a_prefill_whose_caller_gave_up_leaves_nothing_behind(slow_model, tmp_pa
         server.stop()
 
 
+def test_sigterm_lets_the_model_calls_in_flight_finish(slow_model, tmp_path):
+    """SIGTERM while a long prefill runs on the model thread, and a short prefill that arrives after the signal
+    but before the long one is done (the server still accepts calls until then): both answer OK, since the
+    service keeps running model calls while it drains, and the process exits cleanly."""
+    server = ServerProcess("target", free_port(), ["--model", str(slow_model)], tmp_path / "target.log").start()
+    try:
+        server.wait_serving()
+        stub = model_pb2_grpc.TargetModelStub(grpc.insecure_channel(server.address))
+
+        def prefill(group: int, tokens: list[int]) -> grpc.Future:
+            spec = model_pb2.GroupSpec(group_id=group, prompt_token_ids=tokens, sequence_ids=[group],
+                                       max_new_tokens=4, sampling=model_pb2.SamplingParams(top_p=1.0))
+            return stub.Prefill.future(model_pb2.PrefillRequest(batch_id="b", groups=[spec]), timeout=120)
+
+        running = prefill(0, slow_prompt(5))
+        time.sleep(0.3)
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        waiting = prefill(1, [5, 6, 7])
+        time.sleep(0.1)
+        assert not running.done(), "the long prefill ended too soon: the test needs a slower one"
+        assert len(running.result().first_tokens) == 1
+        assert len(waiting.result().first_tokens) == 1
+        assert server.process.wait(30) == 0
+    finally:
+        server.stop()
+
+
 def test_prefills_that_time_out_at_the_coordinator_are_retried_without_failing_the_batch(slow_model, tmp_path):
     """Concurrent long prompts queue on the target's compute thread past --model-timeout: the timed-out
     prefills are released on the target and retried, and every request completes. The timeout is twice one
