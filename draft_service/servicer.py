@@ -28,7 +28,7 @@ class DraftServicer(ModelServicer, model_pb2_grpc.DraftModelServicer):
                       "specserve.sequences": len(request.updates), "specserve.draft_len": request.draft_len}
         with telemetry.server_span("draft.propose", context, attributes) as span, \
                 self.metrics.forward.labels("propose").time():
-            proposals = self.on_compute_thread(runtime.propose, request.batch_id, updates, request.draft_len,
+            proposals = self.compute.call(runtime.propose, request.batch_id, updates, request.draft_len,
                                                list(request.release_sequence_ids))
             kv_bytes = runtime.kv_bytes_in_use()
             span.set_attributes({"specserve.tokens_proposed": sum(len(p.token_ids) for p in proposals),

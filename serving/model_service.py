@@ -80,12 +80,6 @@ class ModelServicer:
         self.metrics.track_runtime(runtime.stats)
         self.runtime = runtime
 
-    def on_compute_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` on the service's single compute thread (the one that loaded the model), in the
-        caller's context (so the current trace span stays the parent), and return its result (or raise);
-        LoopClosed (UNAVAILABLE) once the service has shut down."""
-        return self.compute.call(fn, *args)
-
     def _ready(self, context: grpc.ServicerContext) -> Any:
         if self.runtime is None:
             raise ModelLoading("the model is still loading; retry shortly")
@@ -117,7 +111,7 @@ class ModelServicer:
                       "specserve.prompt_tokens": sum(len(g.prompt_token_ids) for g in request.groups)}
         with telemetry.server_span(f"{runtime.role}.prefill", context, attributes) as span, \
                 self.metrics.forward.labels("prefill").time():
-            done = self.on_compute_thread(prefill_for_caller, runtime, request, context)
+            done = self.compute.call(prefill_for_caller, runtime, request, context)
             kv_bytes = runtime.kv_bytes_in_use()
             span.set_attribute("specserve.kv_bytes", kv_bytes)
             span.set_attribute("specserve.cached_prompt_tokens", sum(done.cached_tokens.values()))
@@ -140,7 +134,7 @@ class ModelServicer:
                 ) -> model_pb2.ReleaseResponse:
         """Drop the listed sequences of a batch (none listed: the whole batch) and free their KV."""
         runtime: ModelRuntime = self._ready(context)
-        released = self.on_compute_thread(runtime.release, request.batch_id, list(request.sequence_ids))
+        released = self.compute.call(runtime.release, request.batch_id, list(request.sequence_ids))
         return model_pb2.ReleaseResponse(released_sequences=released)
 
 
@@ -189,8 +183,8 @@ def serve_model(servicer: ModelServicer, add_to_server: Callable[[Any, grpc.Serv
     The calling thread loads the model and then runs every model call (``servicer.compute``); SIGTERM/SIGINT
     report NOT_SERVING and let calls in flight finish for up to SHUTDOWN_GRACE_S seconds. Tracing follows the
     ``OTEL_*`` environment (see serving.telemetry); Prometheus metrics are served on ``--metrics-port`` when it
-    is non-zero. Flags that cannot run on this machine end the process with
-    a one-line message before anything is bound.
+    is non-zero. Flags that cannot run on this machine end the process with a one-line message before anything
+    is bound.
     """
     try:
         device, options = runtime_options(args)

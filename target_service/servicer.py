@@ -32,7 +32,7 @@ class TargetServicer(ModelServicer, model_pb2_grpc.TargetModelServicer):
                       "specserve.tokens_proposed": sum(len(p.token_ids) for p in request.proposals)}
         with telemetry.server_span("target.verify", context, attributes) as span, \
                 self.metrics.forward.labels("verify").time():
-            verdicts = self.on_compute_thread(runtime.verify, request.batch_id, proposals,
+            verdicts = self.compute.call(runtime.verify, request.batch_id, proposals,
                                               list(request.release_sequence_ids))
             kv_bytes = runtime.kv_bytes_in_use()
             span.set_attributes({"specserve.tokens_accepted": sum(v.accepted_len for v in verdicts),
