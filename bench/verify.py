@@ -8,27 +8,37 @@ median of ``--repeats``, also as a ratio to the plain step. ``--linears packed,s
 float32 CPU linear layers on packed weights (``engine.cpu_linear``, what serving runs) against transformers'
 ``nn.Linear`` (BLAS ``sgemm``), interleaved in one process; with ``sgemm`` on a CPU the cost follows the
 GEMM's blocks of rows rather than the token count (the first tokens beyond a block cost nearly a block;
-docs/benchmarks.md).
+docs/benchmarks.md). ``--served`` also starts a target service on loopback (``specserve serve target``, the same
+model and dtype, its default packed linear layers) and times the same verifies as ``Verify`` RPCs, interleaved
+with the in-process calls: what serving adds to a step (transport, the server's threads), the figure the
+< 10 % gRPC-overhead goal is judged on.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench.arguments import comma_items, non_negative_int_list
 from bench.prompts import code_prompts
 from bench.timing import host_info, time_interleaved
+from deployment.processes import ServerProcess, free_port
 from engine.batch import GroupInput
 from engine.checkpoint import load_checkpoint
 from engine.default_models import DefaultModelError, default_model
 from engine.sampling import SamplingParams, point_distribution
 from engine.target import TargetRuntime
+from serving.model_service import distribution_to_proto, sampling_to_proto
 
 BATCH_ID = "bench-verify"
 LINEAR_MODES = ("packed", "stock")
+SERVED = "served"  # the system of ``--served``: the target service's Verify RPC
+RPC_TIMEOUT_S = 600.0
 
 
 def linear_modes(text: str) -> list[str]:
@@ -56,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--linears", type=linear_modes, default=["packed"],
                         help="comma-separated: packed (the engine's float32 CPU linear layers on oneDNN-packed "
                              "weights, what serving runs), stock (transformers' nn.Linear); both: timed interleaved")
+    parser.add_argument("--served", action="store_true",
+                        help="also time each verify as a Verify RPC to a target service started on loopback (same "
+                             "model and dtype, packed linears), interleaved with the in-process calls")
     parser.add_argument("--json", help="write the results as JSON to this path")
 
 
@@ -64,40 +77,93 @@ def shares(extra: int, rows: int) -> list[int]:
     return [extra // rows + (row < extra % rows) for row in range(rows)]
 
 
+def _plan(rows: int, extras: list[int], repeats: int) -> tuple[list[int], int]:
+    """The rows' sequence ids, and the max_new_tokens that leaves room for ``repeats`` + 1 calls of every count of
+    ``extras`` (each call appends to the rows' caches: the context grows by a few tokens per call, a negligible
+    drift, the same for every count)."""
+    per_call = max(max(extras) // rows + 2, 2)
+    return list(range(rows)), per_call * (repeats + 1) * len(extras)
+
+
 def verify_calls(runtime: TargetRuntime, batch_id: str, prompt: list[int], rows: int, extras: list[int],
                  params: SamplingParams, repeats: int) -> dict[int, Callable[[], object]]:
     """Prefill a batch ``batch_id`` of ``rows`` sequences of ``prompt`` with room for ``repeats`` + 1 calls per
     count, and return for each count of ``extras`` a call that verifies the batch with that many proposed
-    tokens (the caller releases the batch). Each call appends to the rows' caches, so the context grows by a
-    few tokens per call (a negligible drift, the same for every count)."""
-    ids = list(range(rows))
-    per_call = max(max(extras) // rows + 2, 2)
-    budget = per_call * (repeats + 1) * len(extras)
+    tokens (copies of the prompt's last token) and returns the runtime's verdicts (the caller releases the
+    batch)."""
+    ids, budget = _plan(rows, extras, repeats)
     runtime.prefill(batch_id, [GroupInput(0, prompt, ids, params, max_new_tokens=budget)])
     token = prompt[-1]
 
-    def call(extra: int) -> None:
+    def call(extra: int) -> object:
         proposals = {}
         for sequence, count in zip(ids, shares(extra, rows), strict=True):
             proposals[sequence] = ([token] * count, [] if params.greedy else [point_distribution(token)] * count)
-        runtime.verify(batch_id, proposals)
+        return runtime.verify(batch_id, proposals)
+
+    return {extra: (lambda extra=extra: call(extra)) for extra in extras}
+
+
+def served_verify_calls(stub: Any, batch_id: str, prompt: list[int], rows: int, extras: list[int],
+                        params: SamplingParams, repeats: int) -> dict[int, Callable[[], object]]:
+    """``verify_calls`` over gRPC: prefill the same batch on the target service behind ``stub`` (a
+    ``TargetModelStub``) and return, per count, a call that sends the same proposals as one ``Verify`` RPC,
+    building its request as the coordinator does, and returns the ``VerifyResponse`` (the caller releases the
+    batch)."""
+    from specserve.v1 import model_pb2
+
+    ids, budget = _plan(rows, extras, repeats)
+    group = model_pb2.GroupSpec(group_id=0, prompt_token_ids=prompt, sequence_ids=ids,
+                                sampling=sampling_to_proto(params), max_new_tokens=budget)
+    stub.Prefill(model_pb2.PrefillRequest(batch_id=batch_id, groups=[group]), timeout=RPC_TIMEOUT_S)
+    token = prompt[-1]
+
+    def call(extra: int) -> object:
+        point = [] if params.greedy else [distribution_to_proto(point_distribution(token))]
+        proposals = [model_pb2.Proposal(sequence_id=sequence, token_ids=[token] * count, distributions=point * count)
+                     for sequence, count in zip(ids, shares(extra, rows), strict=True)]
+        return stub.Verify(model_pb2.VerifyRequest(batch_id=batch_id, proposals=proposals), timeout=RPC_TIMEOUT_S)
 
     return {extra: (lambda extra=extra: call(extra)) for extra in extras}
 
 
 def verify_costs(runtimes: dict[str, TargetRuntime], prompt: list[int], rows: int, extras: list[int],
-                 params: SamplingParams, repeats: int) -> dict[tuple[str, int], float]:
+                 params: SamplingParams, repeats: int, served: Any = None) -> dict[tuple[str, int], float]:
     """Median seconds of one verify of ``rows`` sequences carrying each count of ``extras`` proposed tokens, on
-    each runtime (keyed by its name), every call of every runtime interleaved with the others."""
+    each runtime (keyed by its name) and, given ``served`` (a ``TargetModelStub``), on that service (keyed
+    ``SERVED``), every call of every system interleaved with the others."""
     calls: dict[tuple[str, int], Callable[[], object]] = {}
     try:
         for name, runtime in runtimes.items():
             for extra, call in verify_calls(runtime, BATCH_ID, prompt, rows, extras, params, repeats).items():
                 calls[name, extra] = call
+        if served is not None:
+            for extra, call in served_verify_calls(served, BATCH_ID, prompt, rows, extras, params, repeats).items():
+                calls[SERVED, extra] = call
         return time_interleaved(calls, repeats)
     finally:
         for runtime in runtimes.values():
             runtime.release(BATCH_ID)  # a no-op for a runtime whose prefill did not run
+
+
+def start_target_service(model: str, dtype: str) -> tuple[ServerProcess, Any]:
+    """A ``specserve serve target`` process for ``model`` on a free loopback port, serving (no prefix cache:
+    the verifies measure a step, as the in-process runtime's do), and a ``TargetModelStub`` to it; the caller
+    stops the process."""
+    import grpc
+
+    from serving.grpc_server import CHANNEL_OPTIONS
+    from specserve.v1 import model_pb2_grpc
+
+    server = ServerProcess("target", free_port(), ["--model", model, "--dtype", dtype, "--prefix-cache-mb", "0"])
+    server.start()
+    try:
+        server.wait_serving()
+    except BaseException:
+        server.stop()
+        raise
+    channel = grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS)
+    return server, model_pb2_grpc.TargetModelStub(channel)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,31 +184,41 @@ def run(args: argparse.Namespace) -> int:
     runtimes = {name: TargetRuntime(checkpoint) for name, checkpoint in checkpoints.items()}
     prompt = code_prompts(checkpoints[args.linears[0]].tokenizer, 1)[0].token_ids
     extras = sorted(set(args.extra) | {0})
-    costs = verify_costs(runtimes, prompt, args.rows, extras, params, args.repeats)
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    if args.served and spin is None:
+        print("specserve bench verify: GOMP_SPINCOUNT is not set, so this process's OpenMP threads spin for "
+              "milliseconds after each in-process call and slow the service's next one; set it (e.g. 20000, as "
+              "the services get) for a fair comparison", file=sys.stderr)
+    service, stub = start_target_service(model, args.dtype) if args.served else (None, None)
+    try:
+        costs = verify_costs(runtimes, prompt, args.rows, extras, params, args.repeats, stub)
+    finally:
+        if service is not None:
+            service.stop()
+    systems = [*args.linears, *([SERVED] if args.served else [])]
     result = {"host": host_info(), "model": model, "dtype": args.dtype, "rows": args.rows,
               "temperature": args.temperature, "top_p": args.top_p,
-              "top_k": args.top_k, "repeats": args.repeats, "prompt_tokens": len(prompt),
-              "points": [{"linears": name, "extra_tokens": e, "tokens": args.rows + e, "ms": 1000 * costs[name, e],
-                          "vs_plain": costs[name, e] / costs[name, 0]} for name in args.linears for e in extras]}
+              "top_k": args.top_k, "repeats": args.repeats, "prompt_tokens": len(prompt), "gomp_spincount": spin,
+              "points": [{"system": name, "extra_tokens": e, "tokens": args.rows + e, "ms": 1000 * costs[name, e],
+                          "vs_plain": costs[name, e] / costs[name, 0]} for name in systems for e in extras]}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"{args.rows} rows, {len(prompt)}-token prompt, {args.dtype}, T = {args.temperature:g}, top-p "
           f"{args.top_p:g}, top-k {args.top_k}, medians of {args.repeats}\n")
-    print(_table(costs, args.linears, extras, args.rows))
+    print(_table(costs, systems, extras, args.rows))
     return 0
 
 
-def _table(costs: dict[tuple[str, int], float], modes: list[str], extras: list[int], rows: int) -> str:
-    """Markdown: per count, each mode's milliseconds and ratio to its plain step (and with two modes, the
-    second's time over the first's)."""
-    compare = len(modes) == 2
-    head = ["proposed tokens", "tokens in the verify"] + [f"{m}: {c}" for m in modes for c in ("ms", "vs plain")]
-    head += [f"{modes[1]} / {modes[0]}"] if compare else []
+def _table(costs: dict[tuple[str, int], float], systems: list[str], extras: list[int], rows: int) -> str:
+    """Markdown: per count, each system's milliseconds and ratio to its plain step, and every other system's time
+    over the first's."""
+    head = ["proposed tokens", "tokens in the verify"] + [f"{m}: {c}" for m in systems for c in ("ms", "vs plain")]
+    head += [f"{m} / {systems[0]}" for m in systems[1:]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for e in extras:
         cells = [str(e), str(rows + e)]
-        for m in modes:
+        for m in systems:
             cells += [f"{1000 * costs[m, e]:.1f}", f"{costs[m, e] / costs[m, 0]:.2f}"]
-        cells += [f"{costs[modes[1], e] / costs[modes[0], e]:.2f}"] if compare else []
+        cells += [f"{costs[m, e] / costs[systems[0], e]:.2f}" for m in systems[1:]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
