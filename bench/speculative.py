@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from coordinator.draft_length import DraftLength
+from coordinator.speculation_gate import request_progress
 from engine.batch import GroupInput
 from engine.checkpoint import Checkpoint
 from engine.draft import DraftRuntime
@@ -110,12 +111,14 @@ def engine_bass(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], n
             stats.draft_lens.append(k)
             proposed = {p.sequence_id: p.token_ids for p in proposals}
             finished = []
-            accepted, lengths = [], []
+            accepted, lengths, before, after = [], [], [], []
             for verdict in verdicts:
                 sid = verdict.sequence_id
                 tokens = proposed[sid][: verdict.accepted_len] + [verdict.next_token_id]
                 seq = out[sid]
+                before.append(len(seq))
                 seq.extend(tokens[: max_new_tokens - len(seq)])
+                after.append(len(seq))
                 updates[sid] = (verdict.accepted_len, verdict.next_token_id, [])
                 accepted.append(verdict.accepted_len)
                 lengths.append(len(proposed[sid]))
@@ -124,7 +127,8 @@ def engine_bass(target: TargetRuntime, draft: DraftRuntime, prompt: list[int], n
                 if len(seq) >= max_new_tokens:
                     finished.append(sid)
             live = [sid for sid in live if sid not in set(finished)]
-            length.update(k, accepted, t2 - t0, lengths, sampled)
+            progress = request_progress(before, after, [size >= max_new_tokens for size in after])
+            length.update(k, accepted, t2 - t0, lengths, sampled, progress=progress)
     finally:
         target.release(batch_id)
         draft.release(batch_id)

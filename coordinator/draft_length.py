@@ -49,16 +49,16 @@ class DraftLength:
 
     def update(self, proposed: int, accepted: list[int], seconds: float = 0.0,
                lengths: list[int] | None = None, sampled: bool = False, kind: str | None = None,
-               emitted: int | None = None) -> int:
+               progress: int | None = None) -> int:
         """Record a round's per-sequence accepted lengths for draft proposals of at most ``proposed`` tokens
         (0: no draft call; ``lengths``: each sequence's proposal length, None: all ``proposed``) and its wall
         time, for the gate under the batch's mix and the round's ``kind`` (None: draft, or plain when
-        ``proposed`` is 0), which credits the round with the ``emitted`` tokens the sequences kept (None: every
-        accepted token and one more per sequence); returns the next speculative k."""
+        ``proposed`` is 0), which credits the round with ``progress`` tokens (``speculation_gate.request_progress``;
+        None: every accepted token and one more per sequence); returns the next speculative k."""
         if self.gate is not None:
             kind = kind or ("draft" if proposed else "plain")
-            self.gate.record(kind, sum(accepted) + len(accepted) if emitted is None else emitted, seconds, sampled,
-                             len(accepted))
+            self.gate.record(kind, sum(accepted) + len(accepted) if progress is None else progress, seconds,
+                             sampled, len(accepted))
         capped = accepted if lengths is None else [a for a, n in zip(accepted, lengths, strict=True) if n >= proposed]
         if self.adaptive and proposed and capped:
             full = sum(a >= proposed for a in capped) / len(capped)

@@ -28,7 +28,7 @@ from coordinator.lookup import LookupProposer, lookup_proposal
 from coordinator.model_clients import ModelEndpoint
 from coordinator.replicas import ReplicaPool
 from coordinator.request import Request
-from coordinator.speculation_gate import ROUND_KINDS
+from coordinator.speculation_gate import ROUND_KINDS, request_progress
 from engine.prompt_lookup import DEFAULT_NGRAM_SIZES
 from serving import telemetry
 from serving.metrics import CoordinatorMetrics
@@ -474,7 +474,8 @@ class Scheduler:
         wire = {p.sequence_id: p.ByteSize() for p in proposals} if kind == "draft" else {}
         tokens_proposed = tokens_accepted = 0
         accepted_lens, proposal_lens = [], []
-        emitted = 0  # tokens the samples kept (not those past a stop, an EOS or max_new_tokens)
+        lengths: dict[int, tuple[list[int], list[int], list[bool]]] = {}  # per request: its samples' lengths
+        # before and after the round, and whether they finished in it (the gate's credit, ``request_progress``)
         in_round: dict[int, Request] = {}
         with_lookup: set[int] = set()  # the requests of which a sequence verified lookup tokens
         for verdict in verdicts:
@@ -504,9 +505,13 @@ class Scheduler:
             in_round[id(request)] = request
             if tokens and kind != "draft":
                 with_lookup.add(id(request))
+            before = len(sample.token_ids)
             delta = sample.extend(confirmed, list(verdict.logprobs) or None)
-            emitted += len(delta.token_ids)
             request.record(sample, delta)
+            around = lengths.setdefault(id(request), ([], [], []))
+            around[0].append(before)
+            around[1].append(len(sample.token_ids))
+            around[2].append(sample.finished)
         for key, request in in_round.items():
             request.usage.rounds += 1
             request.usage.lookup_rounds += key in with_lookup
@@ -514,7 +519,8 @@ class Scheduler:
         for request in self._running:
             if request.finished:
                 request.complete()
-        self.draft_length.update(k, accepted_lens, seconds, proposal_lens, sampled, chosen, emitted)
+        progress = sum(request_progress(*around) for around in lengths.values())
+        self.draft_length.update(k, accepted_lens, seconds, proposal_lens, sampled, chosen, progress)
         return tokens_proposed, tokens_accepted
 
     async def _fail_running(self, status: tuple[grpc.StatusCode, str]) -> None:

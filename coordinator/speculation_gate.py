@@ -6,16 +6,20 @@ or *plain* (one target decode step). Which emits tokens fastest depends on the m
 requests and the batch: a weak draft at a high temperature on a CPU, where verifying k tokens costs more than
 a decode step, loses to plain rounds; where code repeats itself, lookup can beat a draft model that costs a
 second RPC and k draft steps; on this CPU a verify's cost also jumps where its token count crosses the GEMM's
-block of rows. So the gate measures: it keeps an exponential moving average of the batch's emitted tokens per
-second for each kind available and runs the fastest. The kinds not measured yet run first, in
+block of rows. So the gate measures: it keeps an exponential moving average of the batch's progress in tokens
+per second for each kind available and runs the fastest. The kinds not measured yet run first, in
 ``ROUND_KINDS`` order (a batch starts speculating), so all are measured within the first rounds. Then it
 probes: after ``probe_every`` rounds one round of the other kind measured longest ago keeps its figure
 current, and each probe that confirms the choice doubles the gap to the next (up to ``PROBE_BACKOFF`` times
-``probe_every``; one that changes it resets the gap), so a choice that keeps holding costs few probes. A round
-counts for the kind chosen, not for what it turned out to be: a lookup round where lookup found nothing runs as
-a plain step, and that is part of what choosing lookup delivers (the owner records the kind it was given). No
-kind changes the output: greedy output stays the target's, and a sampled token comes from the target's
-distribution whichever kind produced it.
+``probe_every``; one that changes it resets the gap), so a choice that keeps holding costs few probes.
+
+Progress is what a round did for the requests' ends (``request_progress``: how far each request's slowest
+sample rose), not every token emitted: at a high temperature the n samples' acceptances differ, and lookup or
+draft tokens that only let some samples run further ahead of the slowest one do not bring the request's end
+closer. A round counts for the kind chosen, not for what it turned out to be: a lookup round where lookup
+found nothing runs as a plain step, and that is part of what choosing lookup delivers (the owner records the
+kind it was given). No kind changes the output: greedy output stays the target's, and a sampled token comes
+from the target's distribution whichever kind produced it.
 
 The figures belong to a batch's *mix*: whether any of its sequences samples (temperature > 0) or all are
 greedy, and how many sequences it has, in powers of two (1, 2, 3–4, 5–8, ...). Acceptance, and with it what
@@ -54,6 +58,22 @@ class _Figures:
     rate: dict[str, float] = field(default_factory=dict)  # kind -> moving average (measured kinds only)
     measured_at: dict[str, int] = field(default_factory=dict)  # kind -> index of the round that last measured it
     rounds: int = 0
+
+
+def request_progress(before: Sequence[int], after: Sequence[int], finished: Sequence[bool]) -> int:
+    """What a round did for one request, in tokens: the number of its samples in the round times how far the
+    shortest of those left unfinished rose (``before``/``after``: each sample's length around the round;
+    ``finished``: whether it finished in it), or every token they added when none is left.
+
+    A request of n samples ends with its slowest sample, so tokens that only lengthen the others' lead do not
+    bring its end closer; summed over rounds, the rises of the shortest length add up to the progress that
+    does. A plain round is credited one token per sample, and samples that advance alike (a request's greedy
+    samples are identical) every token. The samples that finish in the round are left out of the minimum on
+    both sides, so an end of sequence is not credited to the round's kind."""
+    left = [i for i, done in enumerate(finished) if not done]
+    if not left:
+        return sum(after) - sum(before)
+    return len(before) * (min(after[i] for i in left) - min(before[i] for i in left))
 
 
 class SpeculationGate:
@@ -106,8 +126,9 @@ class SpeculationGate:
         return min((kind for kind in kinds if kind != fastest), key=figures.measured_at.__getitem__)
 
     def record(self, kind: str, tokens: int, seconds: float, sampled: bool = False, sequences: int = 1) -> None:
-        """Account one finished round of ``kind`` for the mix: ``tokens`` emitted by the batch in ``seconds``
-        (nothing for a mix the gate does not judge; no figure for a round that emitted nothing)."""
+        """Account one finished round of ``kind`` for the mix: ``tokens`` of progress of the batch's requests in
+        ``seconds`` (``request_progress``; nothing for a mix the gate does not judge; no figure for a round with no
+        progress)."""
         if self.sampled_only and not sampled:
             return
         figures = self._figures(sampled, sequences)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.draft_length import DraftLength
-from coordinator.speculation_gate import ROUND_KINDS, SpeculationGate
+from coordinator.speculation_gate import ROUND_KINDS, SpeculationGate, request_progress
 
 
 def test_grows_when_most_sequences_take_everything_and_stays_bounded():
@@ -142,12 +142,12 @@ def test_sampled_mode_gates_sampled_batches_and_always_speculates_for_greedy_one
     assert SpeculationGate.for_mode("off") is None
 
 
-def test_the_gate_credits_a_round_with_the_tokens_its_sequences_kept():
-    """Tokens past a sequence's stop or length limit are not output: a round that ends requests is credited with
-    what they kept, not with every accepted token."""
+def test_the_gate_credits_a_round_with_the_progress_it_is_given():
+    """The owner's count (``request_progress``: tokens past a stop or length limit are not output, and a lead over
+    the slowest sample is not progress) replaces every accepted token."""
     gate = SpeculationGate(probe_every=16)
     rule = DraftLength(4, 8, gate=gate)
-    rule.update(4, [4, 4], seconds=1.0, emitted=3)  # 10 tokens confirmed, 3 kept (both sequences at their limit)
+    rule.update(4, [4, 4], seconds=1.0, progress=3)  # 10 tokens confirmed, 3 kept (both sequences at their limit)
     assert gate.rate(sequences=2) == {"draft": 3.0}
     rule.update(0, [0, 0], seconds=1.0)  # without a count: every confirmed token
     assert gate.rate(sequences=2) == {"draft": 3.0, "plain": 2.0}
@@ -165,3 +165,27 @@ def test_gate_measures_again_when_the_batch_grows_past_a_power_of_two():
     assert gate.choose(TWO_KINDS, sequences=6) == "draft"
     assert gate.choose(TWO_KINDS, sequences=1) == "plain"  # one sequence: plain still unmeasured there
     assert gate.rate(sequences=1) == {"draft": 20.0} and set(gate.rate(sequences=5)) == {"draft", "plain"}
+
+
+def test_a_round_is_credited_with_the_rise_of_its_requests_slowest_sample():
+    """``request_progress``: n samples times the rise of the shortest unfinished one; a plain round gives one
+    token per sample, samples that advance alike are credited every token, and a lead that grows is not."""
+    assert request_progress([5, 5, 5], [6, 6, 6], [False] * 3) == 3  # a plain round
+    assert request_progress([5, 5], [9, 9], [False, False]) == 8  # identical greedy samples: every token
+    assert request_progress([5, 5, 5, 5], [9, 6, 8, 9], [False] * 4) == 4  # the slowest rose by one
+    assert request_progress([5, 9], [8, 10], [False, False]) == 6  # the slowest caught up by 3
+    assert request_progress([7, 5], [8, 6], [True, False]) == 2  # a finished sample does not hold it back
+    assert request_progress([7, 5], [8, 6], [False, True]) == 2  # nor does the finished slowest one: 8 - 7
+    assert request_progress([5, 6], [7, 9], [True, True]) == 5  # the request's last round: every token
+
+
+def test_probes_judge_speculation_by_what_it_does_for_a_request_end():
+    """Summed over rounds, the credits add up to n times the slowest sample's progress: a round kind whose extra
+    tokens all go to samples that are already ahead measures no faster than plain rounds."""
+    lengths = [1, 1, 1, 1]
+    credited = 0
+    for advances in ([3, 1, 2, 1], [1, 4, 1, 2], [2, 1, 1, 3]):
+        after = [length + step for length, step in zip(lengths, advances, strict=True)]
+        credited += request_progress(lengths, after, [False] * 4)
+        lengths = after
+    assert credited == 4 * (min(lengths) - 1)

@@ -166,9 +166,10 @@ def test_each_batch_starts_at_the_initial_draft_length(deployments):
 def test_a_lookup_round_that_finds_nothing_counts_against_lookup(deployments, checkpoints):
     """With a draft and the coordinator's lookup, a greedy batch chooses between draft and lookup rounds; a
     lookup round that finds nothing is a plain step, and the gate charges it to lookup. Here lookup never finds
-    anything (its n-grams are 40 tokens long) and the draft is the target itself, so after one round of each the
-    gate runs draft rounds and only probes lookup (were the empty lookup rounds not counted, lookup would stay
-    unmeasured and run every round after the first)."""
+    anything (its n-grams are 40 tokens long) and the draft is the target itself, so a draft round's k draft
+    steps cost about what its k extra tokens save and either kind may measure faster on a loaded machine. What
+    must hold is that both were measured and the other kind is probed again: were the empty lookup rounds not
+    counted, lookup would stay unmeasured and run every round after the draft's first (1 draft round of 48)."""
     stub = coordinator_stub(deployments("llama", "llama", "--prompt-lookup", "40,40").coordinator_address)
     prompt = prompts()[2]
     request = coordinator_pb2.GenerateRequest(prompt_token_ids=prompt, n=2, max_new_tokens=MAX_NEW, ignore_eos=True)
@@ -177,5 +178,5 @@ def test_a_lookup_round_that_finds_nothing_counts_against_lookup(deployments, ch
     usage = response.usage
     assert usage.lookup_rounds == usage.lookup_tokens_proposed == 0  # the premise: lookup found nothing
     draft_rounds = usage.rounds - usage.plain_rounds
-    assert 1 <= usage.plain_rounds < draft_rounds
+    assert usage.plain_rounds >= 1 and draft_rounds >= 2  # the first of each, and probes of the slower one
     assert usage.draft_tokens_accepted == usage.draft_tokens_proposed > 0
